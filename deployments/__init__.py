@@ -1,0 +1,1 @@
+"""The Ray Serve layer: app builder, HTTP ingress, router, replica and CLI."""

@@ -1,0 +1,91 @@
+"""The validated application config: the ``args`` of ``build_app`` and of a Serve config file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipeline.accel import ATTENTION_BACKENDS, validate_cache_dit_params
+from pipeline.contract import parse_size
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """Which checkpoint to serve. ``path: null`` with ``name: tiny-flux`` is the embedded model."""
+
+    name: str = "tiny-flux"
+    path: str | None = None
+    family: str | None = None  # detected from model_index.json when omitted
+    dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
+    device: str = "cpu"
+
+
+class LimitsConfig(_Strict):
+    """Request defaults and limits (pixels, steps, images per request, prompt characters)."""
+
+    default_size: str = "64x64"
+    default_steps: int = Field(default=16, ge=1)
+    default_guidance_scale: float = Field(default=3.5, ge=0)
+    max_n: int = Field(default=4, ge=1)
+    max_pixels: int = Field(default=256 * 256, ge=1)
+    max_steps: int = Field(default=100, ge=1)
+    max_prompt_chars: int = Field(default=2000, ge=1)
+
+    @field_validator("default_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
+class BatchingConfig(_Strict):
+    """Router knobs: images per batch, how long the oldest request may wait (ms), queue bound."""
+
+    max_batch_size: int = Field(default=8, ge=1)
+    max_wait_ms: float = Field(default=10.0, ge=0)
+    max_queued_requests: int = Field(default=256, ge=1)
+
+
+class AccelerationConfig(_Strict):
+    """Server defaults of the per-request acceleration fields."""
+
+    enable_cache_dit: bool = False
+    cache_dit_params: dict[str, Any] | None = None
+    cfg_gate_step: float = Field(default=1.0, gt=0, le=1)
+    attention_backend: str | None = None
+
+    @field_validator("cache_dit_params")
+    @classmethod
+    def _cache(cls, v):
+        if v is not None and (problems := validate_cache_dit_params(v)):
+            raise ValueError("; ".join(problems))
+        return v
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _attn(cls, v):
+        if v is not None and v not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {v!r}")
+        return v
+
+
+class ReplicaConfig(_Strict):
+    """The DiTReplica deployment's options (Ray Serve's names)."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    torch_threads: int | None = Field(default=None, ge=1)
+
+
+class AppConfig(_Strict):
+    """Everything ``build_app`` needs; unknown keys are errors so a typo never passes."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    acceleration: AccelerationConfig = Field(default_factory=AccelerationConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)

@@ -1,0 +1,233 @@
+"""Contracts at the edges: the image request and response models (HTTP body and handle).
+
+The request follows OpenAI's ``POST /v1/images/generations`` (``prompt``, ``model``, ``n``,
+``size``, ``response_format``) plus ditserve's extensions. The OpenAI SDK merges
+``extra_body`` into the top level; a literal nested ``extra_body`` object is merged too.
+Unknown top-level fields are rejected so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from pipeline.accel import ATTENTION_BACKENDS, validate_cache_dit_params
+from pipeline.errors import InvalidRequestError, ModelNotFoundError
+
+SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*x\s*(\d{1,6})\s*$")
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the served model and the server configuration allow; the validation context.
+
+    ``spatial_factor``: width and height must be multiples of it (pixels; FLUX: VAE factor
+    8 × patch 2 = 16). ``max_pixels``: width × height. Defaults fill fields a request omits.
+    """
+
+    model_name: str
+    spatial_factor: int
+    default_width: int
+    default_height: int
+    default_steps: int
+    default_guidance_scale: float
+    max_n: int = 4
+    max_pixels: int = 1024 * 1024
+    max_steps: int = 100
+    max_prompt_chars: int = 2000
+    guidance_embeds: bool = True
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` → ``(width, height)`` in pixels; raises ``ValueError`` if malformed."""
+    match = SIZE_RE.match(size)
+    if not match:
+        raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT in pixels), got {size!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _limits(info: ValidationInfo) -> ServingLimits | None:
+    return (info.context or {}).get("limits")
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
+
+    Validate with :func:`validate_image_request`, which applies the served model's limits
+    and reports every problem in one :class:`InvalidRequestError`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    user: str | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = Field(default=None, allow_inf_nan=False)
+    true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    enable_cache_dit: bool | None = None
+    cache_dit_params: dict[str, Any] | None = None
+    cfg_gate_step: float | None = Field(default=None, allow_inf_nan=False)
+    attention_backend_override: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+            data = dict(data)
+            nested = data.pop("extra_body")
+            clash = sorted(set(nested) & set(data))
+            if clash:
+                raise ValueError(f"extra_body repeats top-level field(s) {', '.join(clash)}")
+            data.update(nested)
+        return data
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str, info: ValidationInfo) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        limits = _limits(info)
+        if limits and len(v) > limits.max_prompt_chars:
+            raise ValueError(f"prompt has {len(v)} characters; at most {limits.max_prompt_chars} are allowed")
+        return v
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative_prompt(cls, v: str | None, info: ValidationInfo) -> str | None:
+        limits = _limits(info)
+        if v is not None and limits and len(v) > limits.max_prompt_chars:
+            raise ValueError(f"negative_prompt has {len(v)} characters; at most {limits.max_prompt_chars} are allowed")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int, info: ValidationInfo) -> int:
+        limits = _limits(info)
+        top = limits.max_n if limits else None
+        if v < 1 or (top is not None and v > top):
+            raise ValueError(f"n must be between 1 and {top}, got {v}")
+        return v
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        width, height = parse_size(v)
+        limits = _limits(info)
+        if limits:
+            f = limits.spatial_factor
+            if width < f or height < f or width % f or height % f:
+                raise ValueError(f"size {width}x{height}: width and height must be positive multiples of {f} pixels")
+            if width * height > limits.max_pixels:
+                raise ValueError(
+                    f"size {width}x{height} has {width * height} pixels; at most {limits.max_pixels} are allowed")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: str) -> str:
+        if v != "b64_json":
+            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {v!r}")
+        return v
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps(cls, v: int | None, info: ValidationInfo) -> int | None:
+        limits = _limits(info)
+        top = limits.max_steps if limits else None
+        if v is not None and (v < 1 or (top is not None and v > top)):
+            raise ValueError(f"num_inference_steps must be between 1 and {top}, got {v}")
+        return v
+
+    @field_validator("guidance_scale", "true_cfg_scale")
+    @classmethod
+    def _scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and (not math.isfinite(v) or v < 0):
+            raise ValueError(f"{info.field_name} must be a finite number >= 0, got {v}")
+        return v
+
+    @field_validator("cache_dit_params")
+    @classmethod
+    def _cache_dit_params(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            problems = validate_cache_dit_params(v)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return v
+
+    @field_validator("cfg_gate_step")
+    @classmethod
+    def _cfg_gate_step(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"cfg_gate_step must be in (0, 1] (1.0 turns gating off), got {v}")
+        return v
+
+    @field_validator("attention_backend_override")
+    @classmethod
+    def _attention_backend(cls, v: str | None) -> str | None:
+        if v is not None and v not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend_override must be one of {', '.join(ATTENTION_BACKENDS)}, got {v!r}")
+        return v
+
+
+def _describe(error: dict) -> tuple[str, str]:
+    field = ".".join(str(p) for p in error.get("loc", ())) or "body"
+    message = error.get("msg", "invalid")
+    message = message.removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = f"unknown field {field!r}"
+    elif message.startswith(field):
+        pass
+    else:
+        message = f"{field}: {message}"
+    return field, message
+
+
+def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationRequest:
+    """Validate a request body (dict or model) against the served model's limits.
+
+    Raises ``ModelNotFoundError`` (404) if ``model`` names another model, and
+    ``InvalidRequestError`` (400) listing every problem found, ``param`` set to the first
+    offending field.
+    """
+    if isinstance(body, ImageGenerationRequest):
+        body = body.model_dump(exclude_unset=True)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param="body")
+    model = body.get("model")
+    if model is not None and model != limits.model_name:
+        raise ModelNotFoundError(
+            f"model {model!r} is not served here; available: {limits.model_name!r}", param="model",
+            code="model_not_found")
+    try:
+        return ImageGenerationRequest.model_validate(body, context={"limits": limits})
+    except ValidationError as exc:
+        described = [_describe(e) for e in exc.errors(include_url=False)]
+        raise InvalidRequestError("; ".join(m for _, m in described), param=described[0][0],
+                                  code="invalid_value") from None
+
+
+class ImageData(BaseModel):
+    """One generated image, a base64-encoded PNG."""
+
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    """OpenAI's images response plus the ``ditserve`` metadata block of the design."""
+
+    created: int
+    data: list[ImageData]
+    ditserve: dict[str, Any]

@@ -1,0 +1,80 @@
+"""The one error hierarchy of ditserve.
+
+Every error carries the fields of OpenAI's error envelope (``message``, ``type``,
+``param``, ``code``) and the HTTP status the ingress maps it to. Handle callers catch the
+same classes (Ray re-raises them on the caller's side). Only the ingress turns them into
+HTTP responses.
+"""
+
+from __future__ import annotations
+
+
+class DitServeError(Exception):
+    """Base class. ``status_code`` is the HTTP status the ingress answers with."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.request_id = request_id
+
+    def __reduce__(self):
+        # Exceptions pickle their positional args only; keep the keyword fields across Ray.
+        return (_rebuild, (type(self), self.message, self.param, self.code, self.request_id))
+
+    def to_envelope(self) -> dict:
+        """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+
+def _rebuild(cls, message, param, code, request_id):
+    return cls(message, param=param, code=code, request_id=request_id)
+
+
+class InvalidRequestError(DitServeError):
+    """400: the request is malformed; ``message`` lists every problem found."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(DitServeError):
+    """404: the ``model`` field names a model this deployment does not serve."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class OverloadedError(DitServeError):
+    """429: the router's queue bound is reached; retry after ``retry_after_s`` seconds."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    retry_after_s = 1
+
+
+class ServiceUnavailableError(DitServeError):
+    """503: no healthy replica, or the server is shutting down."""
+
+    status_code = 503
+    error_type = "server_error"
+
+
+class RequestTimeoutError(DitServeError, TimeoutError):
+    """504: the request's ``timeout_s`` deadline passed before it finished."""
+
+    status_code = 504
+    error_type = "timeout_error"
+
+
+class InternalError(DitServeError):
+    """500: a batch failed inside a replica. The message names the request id, never a trace."""
+
+    status_code = 500
+    error_type = "server_error"

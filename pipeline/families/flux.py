@@ -1,0 +1,140 @@
+"""FLUX.1 family: CLIP + T5 prompt encoding, packed 2×2 latents, one transformer step, VAE decode.
+
+Mirrors diffusers' ``FluxPipeline`` (same helpers, same order of random draws) so our loop
+reproduces its output exactly; the loop itself lives in ``pipeline.loop``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.families import register
+
+
+@dataclass
+class FluxConditioning:
+    """Text conditioning of B samples.
+
+    prompt_embeds: (B, L, joint_attention_dim) T5 states; pooled: (B, pooled_projection_dim)
+    CLIP pooled output; text_ids: (L, 3) rotary ids (zeros). dtype: the text encoders'.
+    """
+
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+    text_ids: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> "FluxConditioning":
+        return FluxConditioning(self.prompt_embeds[index], self.pooled[index], self.text_ids)
+
+
+@register("flux")
+class FluxFamily:
+    """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers)."""
+
+    pipeline_classes = ("FluxPipeline",)
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.device = pipe.transformer.device
+        self.dtype = pipe.transformer.dtype
+        # FluxPipeline caps T5 at 512 tokens; a checkpoint may ship a shorter tokenizer.
+        self.max_sequence_length = min(512, int(pipe.tokenizer_2.model_max_length))
+
+    @classmethod
+    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu") -> "FluxFamily":
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(str(path), dtype=torch_dtype)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe)
+
+    # -- static facts the ingress validates against -------------------------------------
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    @property
+    def spatial_factor(self) -> int:
+        """Width and height must be multiples of this (pixels): VAE factor × 2×2 packing."""
+        return self.pipe.vae_scale_factor * 2
+
+    @property
+    def guidance_embeds(self) -> bool:
+        return bool(self.transformer.config.guidance_embeds)
+
+    @property
+    def transformers(self) -> dict[str, torch.nn.Module]:
+        return {"transformer": self.transformer}
+
+    # -- one batch ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> FluxConditioning:
+        """Encode B prompts with CLIP (pooled) and T5 (padded to ``max_sequence_length``)."""
+        prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length)
+        return FluxConditioning(prompt_embeds, pooled, text_ids)
+
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], height: int, width: int):
+        """Initial noise, one generator per request drawing that request's ``count`` samples.
+
+        Returns latents: (B, (h/2)·(w/2), 4·C) packed, dtype of the transformer, with
+        B = sum(counts) and h, w the latent size; and img_ids: ((h/2)·(w/2), 3).
+        """
+        from diffusers.utils.torch_utils import randn_tensor
+
+        channels = self.transformer.config.in_channels // 4
+        h = 2 * (int(height) // (self.vae_scale_factor * 2))
+        w = 2 * (int(width) // (self.vae_scale_factor * 2))
+        noise = [randn_tensor((count, channels, h, w), generator=g, device=self.device, dtype=self.dtype)
+                 for g, count in zip(generators, counts)]
+        latents = torch.cat(noise)
+        latents = self.pipe._pack_latents(latents, latents.shape[0], channels, h, w)
+        img_ids = self.pipe._prepare_latent_image_ids(latents.shape[0], h // 2, w // 2, self.device, self.dtype)
+        return latents, img_ids
+
+    def scheduler_and_timesteps(self, num_inference_steps: int, image_seq_len: int):
+        """A fresh flow-matching scheduler for this batch and its timesteps (FLUX sigmas and
+        resolution-dependent shift ``mu``, as ``FluxPipeline``)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        if getattr(scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        cfg = scheduler.config
+        mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    def guidance(self, guidance_scale: float, batch: int) -> torch.Tensor | None:
+        """FLUX.1-dev's distilled guidance input: (B,) float32, or None without guidance embedding."""
+        if not self.guidance_embeds:
+            return None
+        return torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
+
+    @torch.no_grad()
+    def predict(self, latents, t, cond: FluxConditioning, guidance, img_ids, branch: str = "cond"):
+        """One transformer call: latents (B, S, 4·C) → velocity (B, S, 4·C)."""
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        with self.transformer.cache_context(branch):
+            return self.transformer(
+                hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
+                txt_ids=cond.text_ids, img_ids=img_ids, joint_attention_kwargs={}, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
+        """Packed latents (B, S, 4·C) → images (B, height, width, 3) float32 in [0, 1]."""
+        vae = self.pipe.vae
+        latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="np")

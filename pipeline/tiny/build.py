@@ -1,0 +1,225 @@
+"""Build the embedded ``tiny-flux`` checkpoint and write it in diffusers format.
+
+The checkpoint has the FLUX.1 architecture (``FluxTransformer2DModel`` with guidance
+embedding, ``AutoencoderKL``, CLIP and T5 text encoders, ``FlowMatchEulerDiscreteScheduler``
+with FLUX.1-dev's shift settings) at a few MB. Weights come from ``torch.manual_seed``;
+the tokenizers are made on the spot from a small word list, so nothing is downloaded.
+The directory is written once (atomically) and then loaded with ``from_pretrained``
+exactly like a real FLUX.1 checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TINY_FLUX = "tiny-flux"
+# Bump when the architecture or the build recipe changes: it names the cache directory.
+TINY_FLUX_VERSION = "v1"
+
+# Words the tokenizers know whole; any other text falls back to single characters.
+WORDS = (
+    "a an the of on in with and or to is at by one two three small large big tiny "
+    "red orange yellow green blue purple pink brown black white gray grey cyan magenta "
+    "circle square triangle star ring cross heart diamond hexagon disk box "
+    "background photo picture image painting drawing sketch of cat dog bird tree house "
+    "sun moon sky sea mountain city car flower light dark bright night day"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyFluxArch:
+    """Architecture knobs of a random-weight FLUX.1-style model.
+
+    ``num_attention_heads`` must be divisible by the Ulysses degree a test wants; the sum
+    of ``axes_dims_rope`` must equal ``attention_head_dim`` (FLUX.1 uses 16 + 56 + 56 = 128).
+    """
+
+    num_layers: int = 2
+    num_single_layers: int = 4
+    num_attention_heads: int = 4
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    text_dim: int = 32
+    latent_channels: int = 4
+    vae_block_out_channels: tuple[int, ...] = (16, 32, 32)
+    max_sequence_length: int = 32
+    guidance_embeds: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # Byte-level BPE vocabulary without merges: every byte, alone and word-final.
+    byte_chars = list(bytes_to_unicode().values())
+    vocab = {}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    for ch in byte_chars:
+        vocab[ch + "</w>"] = len(vocab)
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    tok = CLIPTokenizer(vocab=vocab, merges=[])
+    tok.model_max_length = 77
+    return tok
+
+
+def _t5_tokenizer(max_sequence_length: int):
+    from transformers import T5TokenizerFast
+
+    chars = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz0123456789.,!?-'"))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -1.0) for w in WORDS]
+    vocab += [(c, -6.0) for c in chars]
+    tok = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    tok.model_max_length = max_sequence_length
+    return tok
+
+
+def build_tiny_flux_pipeline(arch: TinyFluxArch = TinyFluxArch()):
+    """Return a ``diffusers.FluxPipeline`` with random weights drawn from ``arch.seed``.
+
+    All modules are float32 on CPU. Raises nothing on valid ``arch``; diffusers raises
+    ``ValueError`` when ``sum(axes_dims_rope) != attention_head_dim``.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = _clip_tokenizer()
+    tokenizer_2 = _t5_tokenizer(arch.max_sequence_length)
+
+    torch.manual_seed(arch.seed)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=arch.text_dim,
+            intermediate_size=2 * arch.text_dim,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            projection_dim=arch.text_dim,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    torch.manual_seed(arch.seed + 1)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=arch.text_dim,
+            d_kv=8,
+            d_ff=2 * arch.text_dim,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
+        )
+    )
+    torch.manual_seed(arch.seed + 2)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=arch.latent_channels * 4,
+        num_layers=arch.num_layers,
+        num_single_layers=arch.num_single_layers,
+        attention_head_dim=arch.attention_head_dim,
+        num_attention_heads=arch.num_attention_heads,
+        joint_attention_dim=arch.text_dim,
+        pooled_projection_dim=arch.text_dim,
+        guidance_embeds=arch.guidance_embeds,
+        axes_dims_rope=tuple(arch.axes_dims_rope),
+    )
+    torch.manual_seed(arch.seed + 3)
+    levels = len(arch.vae_block_out_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=tuple(arch.vae_block_out_channels),
+        layers_per_block=1,
+        latent_channels=arch.latent_channels,
+        norm_num_groups=8,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    # FLUX.1-dev's scheduler config (resolution-dependent shift).
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        shift=3.0,
+        use_dynamic_shifting=True,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cache_root() -> Path:
+    """Where built checkpoints live: ``$DITSERVE_CACHE_DIR`` or ``~/.cache/ditserve``."""
+    return Path(os.environ.get("DITSERVE_CACHE_DIR", Path.home() / ".cache" / "ditserve"))
+
+
+def save_atomically(pipe, target: Path) -> Path:
+    """Write ``pipe`` with ``save_pretrained`` into ``target`` unless it is already there.
+
+    Concurrent builders (two replicas starting together) each write a temporary directory
+    and rename it into place; the first rename wins, the others are discarded.
+    """
+    if (target / "model_index.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model_index.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_tiny_flux(root: Path | None = None, arch: TinyFluxArch = TinyFluxArch()) -> Path:
+    """Return the directory of the ``tiny-flux`` checkpoint, building it on first use."""
+    name = f"{TINY_FLUX}-{TINY_FLUX_VERSION}" if arch == TinyFluxArch() else f"{TINY_FLUX}-{_arch_tag(arch)}"
+    target = (root or cache_root()) / "models" / name
+    if (target / "model_index.json").exists():
+        return target
+    return save_atomically(build_tiny_flux_pipeline(arch), target)
+
+
+def _arch_tag(arch: TinyFluxArch) -> str:
+    import hashlib
+
+    return hashlib.sha1(repr(arch).encode()).hexdigest()[:12]
+
+
+if __name__ == "__main__":
+    print(ensure_tiny_flux())
