@@ -35,9 +35,19 @@ def detect_family(path: str | Path) -> str:
 def load_family(name: str, path: str | Path, *, torch_dtype, device):
     """Load the checkpoint at ``path`` with the adapter registered as ``name``."""
     _import_all()
+    _quiet_loading()
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[name].from_pretrained(path, torch_dtype=torch_dtype, device=device)
+
+
+def _quiet_loading() -> None:
+    """No per-component progress bars in server logs."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
 
 
 def _import_all() -> None:

@@ -1,0 +1,78 @@
+"""Serving overhead: p50 latency of one request through HTTP vs the same batch in-process.
+
+Both paths run the embedded tiny-flux with the same settings and torch thread count; the
+two are measured alternately in one run so machine noise hits both alike. Target (issue 2):
+HTTP p50 <= 1.10 x in-process p50 + 15 ms.
+
+    python bench/overhead.py [--iters 30] [--steps 16] [--size 64x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from deployments.cli import _free_port, start_app, stop_app  # noqa: E402
+from pipeline.contract import parse_size  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--size", default="64x64")
+    ap.add_argument("--threads", type=int, default=2)
+    ns = ap.parse_args()
+
+    torch.set_num_threads(ns.threads)
+    args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads}}
+    url = start_app(args, host="127.0.0.1", port=_free_port(), num_cpus=4)
+    try:
+        from pipeline.contract import ServingLimits, validate_image_request
+        from pipeline.runner import Batch, BatchRunner
+        from pipeline.sampling import resolve
+        from pipeline.signature import BatchSignature
+
+        runner = BatchRunner("tiny-flux")
+        width, height = parse_size(ns.size)
+        body = {"prompt": "a red circle on a blue background", "seed": 0, "size": ns.size,
+                "num_inference_steps": ns.steps}
+        limits = ServingLimits("tiny-flux", runner.facts().spatial_factor, width, height, ns.steps, 3.5,
+                               max_pixels=width * height)
+        params = resolve(validate_image_request(body, limits), limits)
+        batch = Batch("bench", BatchSignature.of(params), (params,))
+
+        client = httpx.Client(timeout=120)
+        endpoint = f"{url}/v1/images/generations"
+        for _ in range(3):  # warm both paths
+            client.post(endpoint, json=body).raise_for_status()
+            runner.run(batch)
+        http_ms, local_ms = [], []
+        for _ in range(ns.iters):
+            t0 = time.perf_counter()
+            client.post(endpoint, json=body).raise_for_status()
+            http_ms.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            runner.run(batch)
+            local_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        stop_app()
+    http_p50, local_p50 = statistics.median(http_ms), statistics.median(local_ms)
+    budget = 1.10 * local_p50 + 15
+    print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} torch threads, {ns.iters} iterations")
+    print(f"in-process p50: {local_p50:8.1f} ms")
+    print(f"HTTP p50:       {http_p50:8.1f} ms")
+    print(f"ratio HTTP / in-process: {http_p50 / local_p50:.3f}   overhead: {http_p50 - local_p50:.1f} ms")
+    print(f"target HTTP <= 1.10 x in-process + 15 ms = {budget:.1f} ms: {'MET' if http_p50 <= budget else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

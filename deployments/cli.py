@@ -1,0 +1,164 @@
+"""``ditserve`` command line: ``serve``, ``generate`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+APP_NAME = "ditserve"
+DEMO_PROMPT = "a red circle on a blue background"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_serve_config(path: str | Path) -> dict:
+    """Read a Serve config file, validate it with Ray Serve's own ``ServeDeploySchema`` and
+    return the ``ditserve`` application's entry (``args``, ``route_prefix``) and
+    ``http_options``. Raises ``ValueError`` if the file has no ditserve application."""
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(Path(path).read_text()))
+    for app in schema.applications:
+        if app.import_path == "deployments.app:build_app":
+            return {"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
+                    "http_options": schema.http_options.model_dump()}
+    raise ValueError(f"{path}: no application with import_path deployments.app:build_app")
+
+
+def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
+              num_cpus: int | None = None) -> str:
+    """Connect to a running Ray cluster or start a local one, deploy the app, return its URL."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address="auto", log_to_driver=False)
+        except ConnectionError:
+            ray.init(num_cpus=num_cpus, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
+                   seed: int | None = None, steps: int | None = None, extra: dict | None = None) -> dict:
+    """POST one image request with the OpenAI client, write the PNG to ``output``; return metadata."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600, max_retries=0)
+    body = dict(extra or {})
+    if seed is not None:
+        body["seed"] = seed
+    if steps is not None:
+        body["num_inference_steps"] = steps
+    kwargs = {"size": size} if size else {}
+    response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(base64.b64decode(response.data[0].b64_json))
+    return (response.model_extra or {}).get("ditserve", {})
+
+
+def _cmd_serve(ns) -> int:
+    config = load_serve_config(ns.config) if ns.config else {"name": APP_NAME, "args": {}, "route_prefix": "/",
+                                                               "http_options": {"host": "127.0.0.1", "port": 8000}}
+    http = config["http_options"]
+    url = start_app(config["args"], host=ns.host or http["host"], port=ns.port or http["port"],
+                    name=config["name"], route_prefix=config["route_prefix"])
+    print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations; Ctrl-C stops)", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    print("shutting down", flush=True)
+    stop_app()
+    return 0
+
+
+def _cmd_generate(ns) -> int:
+    from openai import APIStatusError
+
+    extra = json.loads(ns.extra) if ns.extra else None
+    try:
+        meta = generate_image(ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
+                              extra=extra)
+    except APIStatusError as exc:
+        print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
+        return 1
+    print(f"wrote {ns.output}")
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _cmd_demo(ns) -> int:
+    port = _free_port()
+    print("starting Ray Serve with the embedded tiny-flux model ...", flush=True)
+    url = start_app({}, host="127.0.0.1", port=port, num_cpus=4)
+    try:
+        meta = generate_image(url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed)
+    finally:
+        stop_app()
+    output = Path(ns.output).resolve()
+    print(f"prompt: {ns.prompt!r}")
+    print(f"metadata: {json.dumps(meta)}")
+    print(f"image written to {output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ditserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the app (local Ray unless a cluster is running) until Ctrl-C")
+    p.add_argument("--config", help="a Serve config file (e.g. configs/tiny-cpu.yaml); default: tiny-flux")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("generate", help="request one image from a running server and save it")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", required=True, help="PNG file to write")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--steps", type=int, help="num_inference_steps")
+    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("demo", help="start the app on tiny-flux, generate one image over HTTP, shut down")
+    p.add_argument("-o", "--output", default="out/demo.png")
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_demo)
+
+    ns = parser.parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: one local Ray cluster per test session and a helper to (re)deploy the app.
+
+Real components only: ``ray.init`` + ``serve.run`` (never local testing mode), real HTTP on
+a free loopback port.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield {"url": f"http://127.0.0.1:{port}", "gcs_address": ray.get_runtime_context().gcs_address}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy(ray_cluster):
+    """``deploy(args) -> base URL``: run ``build_app(args)`` as the ``ditserve`` app, replacing
+    whatever ran before; repeated calls with equal args reuse the running app."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    current = {}
+
+    def _deploy(args: dict | None = None) -> str:
+        args = args or {}
+        if current.get("args") != args:
+            serve.run(build_app(args), name="ditserve", route_prefix="/")
+            current["args"] = args
+        return ray_cluster["url"]
+
+    return _deploy
+
+
+# The app most HTTP tests share: tiny-flux, one replica with 2 torch threads.
+TINY_ARGS = {"replica": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 2}, "torch_threads": 2}}

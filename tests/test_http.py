@@ -1,0 +1,161 @@
+"""End to end through real Ray Serve, real HTTP and the real OpenAI client."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+from PIL import Image
+
+from tests.conftest import TINY_ARGS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def url(deploy):
+    return deploy(TINY_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def png_of(response) -> bytes:
+    return base64.b64decode(response.data[0].b64_json)
+
+
+def generate(client, prompt="a red circle", **extra):
+    size = extra.pop("size", "64x48")
+    return client.images.generate(prompt=prompt, size=size, response_format="b64_json",
+                                  extra_body={"num_inference_steps": 4, **extra})
+
+
+def test_image_is_a_png_of_the_requested_size(client):
+    response = generate(client, seed=1, size="80x48")
+    image = Image.open(io.BytesIO(png_of(response)))
+    assert image.format == "PNG" and image.size == (80, 48) and image.mode == "RGB"
+    meta = response.model_extra["ditserve"]
+    assert meta["batch_size"] >= 1 and meta["world_size"] == 1 and meta["seed"] == 1
+    assert set(meta["timings_ms"]) == {"queue", "denoise", "decode", "total"}
+    assert meta["acceleration"]["cache_dit"]["computed_steps"] == 4
+    assert meta["signature"].startswith("tiny-flux 80x48 steps=4")
+
+
+def test_n_images_per_request(client):
+    response = generate(client, seed=2, n=3)
+    assert len(response.data) == 3
+    pngs = {base64.b64decode(d.b64_json) for d in response.data}
+    assert len(pngs) == 3
+
+
+def test_same_seed_same_bytes_and_different_seeds_differ(client):
+    a, b = png_of(generate(client, seed=42)), png_of(generate(client, seed=42))
+    c = png_of(generate(client, seed=43))
+    assert a == b
+    pixels = lambda png: np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)  # noqa: E731
+    assert np.abs(pixels(a) - pixels(c)).max() > 10
+
+
+def test_concurrent_requests_are_batched(client):
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda i: generate(client, prompt=f"a shape {i}", seed=i), range(8)))
+    metas = [r.model_extra["ditserve"] for r in responses]
+    batches = {m["batch_id"] for m in metas}
+    assert len(batches) < 8
+    assert max(m["batch_size"] for m in metas) > 1
+    assert len({m["request_id"] for m in metas}) == 8
+
+
+def test_models_health_and_stats(url):
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny-flux"]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    stats = httpx.get(f"{url}/v1/stats").json()
+    assert stats["router"]["counters"]["batches"] >= 1
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x" * 2001}, "prompt"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 5}, "n"),
+    ({"prompt": "a", "size": "big"}, "size"),
+    ({"prompt": "a", "size": "60x60"}, "size"),
+    ({"prompt": "a", "size": "1024x1024"}, "size"),
+    ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps"),
+    ({"prompt": "a", "num_inference_steps": 1000}, "num_inference_steps"),
+    ({"prompt": "a", "guidance_scale": -2}, "guidance_scale"),
+    ({"prompt": "a", "enable_cache_ditt": True}, "enable_cache_ditt"),
+    ({"prompt": "a", "response_format": "url"}, "response_format"),
+    ({"prompt": "a", "cache_dit_params": {"Fn_compute_block": 2}}, "cache_dit_params"),
+    ({"prompt": "a", "cfg_gate_step": 0}, "cfg_gate_step"),
+    ({"prompt": "a", "attention_backend_override": "nope"}, "attention_backend_override"),
+])
+def test_bad_input_is_400_naming_the_field(url, body, field):
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert field in error["message"]
+
+
+def test_non_finite_guidance_and_malformed_json(url):
+    r = httpx.post(f"{url}/v1/images/generations", content=b'{"prompt": "a", "guidance_scale": NaN}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guidance_scale"
+    r = httpx.post(f"{url}/v1/images/generations", content=b"{not json", timeout=60)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_openai_client_sees_typed_errors_and_server_keeps_serving(client):
+    with pytest.raises(NotFoundError) as info:
+        client.images.generate(model="dall-e-3", prompt="a", response_format="b64_json")
+    assert info.value.body["param"] == "model"
+    with pytest.raises(BadRequestError):
+        client.images.generate(prompt="a", n=9, response_format="b64_json")
+    assert len(generate(client, seed=5).data) == 1
+
+
+HANDLE_SCRIPT = textwrap.dedent("""
+    import base64, json, sys
+    import ray
+    from ray import serve
+    from pipeline.errors import InvalidRequestError
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    handle = serve.get_app_handle("ditserve")
+    body = json.loads(sys.argv[2])
+    result = handle.generate.remote(body).result()
+    out = {"png": result.data[0].b64_json, "type": type(result).__name__}
+    try:
+        handle.generate.remote({"prompt": "", "n": 0}).result()
+    except InvalidRequestError as exc:
+        out["error"] = {"param": exc.param, "message": exc.message, "status": exc.status_code}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_handle_from_a_separate_driver_matches_http(client, ray_cluster):
+    body = {"prompt": "a blue square", "seed": 9, "num_inference_steps": 4, "size": "64x48"}
+    http_png = png_of(client.images.generate(
+        prompt=body["prompt"], size=body["size"], response_format="b64_json",
+        extra_body={"seed": 9, "num_inference_steps": 4}))
+    proc = subprocess.run([sys.executable, "-c", HANDLE_SCRIPT, ray_cluster["gcs_address"], json.dumps(body)],
+                          capture_output=True, text=True, timeout=300)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT"):])
+    assert out["type"] == "ImageGenerationResponse"
+    assert base64.b64decode(out["png"]) == http_png
+    assert out["error"]["status"] == 400 and out["error"]["param"] == "prompt"
+    assert "n must be" in out["error"]["message"]
