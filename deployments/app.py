@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.config import AppConfig
 from deployments.ingress import Ingress
 from deployments.replica import DiTReplica
+from deployments.request_router import SignatureAffinityRouter
 from deployments.router import Router
 
 
@@ -14,9 +16,15 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     """Validate ``args`` (see ``deployments.config.AppConfig``) and bind the three deployments:
     Ingress → Router → DiTReplica. Raises ``pydantic.ValidationError`` on a bad config."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    batching = config.batching
+    router_config = RequestRouterConfig(request_routing_stats_period_s=batching.routing_stats_period_s)
+    if batching.affinity:
+        router_config = RequestRouterConfig(request_router_class=SignatureAffinityRouter,
+                                            request_routing_stats_period_s=batching.routing_stats_period_s)
     replica = DiTReplica.options(
         num_replicas=config.replica.num_replicas,
         ray_actor_options=config.replica.ray_actor_options,
+        request_router_config=router_config,
     ).bind(config.model.model_dump(), config.replica.torch_threads)
-    router = Router.bind(replica, config.batching.model_dump(), config.replica.num_replicas)
+    router = Router.bind(replica, batching.model_dump(), config.replica.num_replicas)
     return Ingress.bind(router, config.model_dump())

@@ -43,11 +43,24 @@ class LimitsConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    """Router knobs: images per batch, how long the oldest request may wait (ms), queue bound."""
+    """Router knobs.
+
+    ``max_batch_size``: images per batch (a request counts ``n``). ``max_batch_cost``:
+    optional cap on pixels × frames × n per batch. ``max_wait_ms``: how long the oldest
+    request of a queue may wait for company. ``max_queued_requests``: beyond it, 429.
+    ``affinity``: prefer replicas already in the batch's state (off: FIFO over queues and
+    Serve's default power-of-two-choices router). ``max_affinity_wait_ms``: the longest a
+    queue waits for its matching replica before any free replica takes it.
+    ``routing_stats_period_s``: how often replicas report their state to the router.
+    """
 
     max_batch_size: int = Field(default=8, ge=1)
+    max_batch_cost: float | None = Field(default=None, gt=0)
     max_wait_ms: float = Field(default=10.0, ge=0)
     max_queued_requests: int = Field(default=256, ge=1)
+    affinity: bool = True
+    max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
+    routing_stats_period_s: float = Field(default=1.0, gt=0)
 
 
 class AccelerationConfig(_Strict):

@@ -1,9 +1,9 @@
 """Router: one FIFO queue per batch signature; forms batches and hands them to replicas.
 
-It decides what runs next and never touches a tensor. A batch is formed only when a
-replica can take it (late binding): then the oldest queue that is full
-(``max_batch_size`` images) or whose head has waited ``max_wait_ms`` is cut into a batch.
-Every accepted request gets exactly one answer: its output, or an error.
+It decides what runs next and never touches a tensor. Batches are formed only when a
+replica can take one (late binding); which queue is cut is ``deployments.scheduling``'s
+pure decision (readiness, state affinity, starvation bound). Every accepted request gets
+exactly one answer: its output, or an error (failed batch, deadline, shutdown).
 """
 
 from __future__ import annotations
@@ -13,17 +13,26 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter as Tally
 from collections import deque
 from dataclasses import dataclass, field
 
 from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
 
-from pipeline.errors import DitServeError, InternalError, OverloadedError
+from deployments.request_router import router_for
+from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
+from pipeline.errors import (DitServeError, InternalError, OverloadedError, RequestTimeoutError,
+                             ServiceUnavailableError)
 from pipeline.runner import Batch, ModelFacts, RequestOutput
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 
 logger = logging.getLogger("ray.serve")
+
+# Re-check the replica set this often while requests wait and no replica looks free
+# (a replica added or replaced by Serve does not signal the router).
+REPLICA_POLL_S = 0.1
 
 
 @dataclass(eq=False)
@@ -32,123 +41,194 @@ class _Pending:
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
 
+    @property
+    def cost(self) -> float:
+        p = self.params
+        return float(p.width * p.height * p.num_frames * p.n)
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, graceful_shutdown_timeout_s=60,
+                  ray_actor_options={"num_cpus": 0})
 class Router:
-    """``capacity``: batches that may run at once (one per DiTReplica replica)."""
+    """Queues, batch formation and replica choice for one DiTReplica deployment.
+
+    ``batching``: ``deployments.config.BatchingConfig`` as a dict. ``capacity``: batches
+    that may run at once while the replica set is not yet known (one per replica).
+    """
 
     def __init__(self, replica, batching: dict, capacity: int):
         self._replica = replica
-        self._max_batch_size = int(batching["max_batch_size"])
-        self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
-        self._max_queued = int(batching["max_queued_requests"])
         self._capacity = capacity
+        self.reconfigure_batching(batching)
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._inflight = 0
+        self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
+        self._draining = False
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._facts: ModelFacts | None = None
         self._batch_ids = itertools.count()
-        self._stats = {"batches": 0, "requests": 0, "failed_batches": 0, "rejected_overloaded": 0}
+        self._counters = Tally()
+        self._metric_queue_depth = Gauge("ditserve_queue_depth", "Requests queued per batch signature",
+                                         tag_keys=("signature",))
+        self._metric_batch_size = Histogram("ditserve_batch_size", "Images per dispatched batch",
+                                            boundaries=[1, 2, 4, 8, 16, 32, 64])
+        self._metric_queue_wait = Histogram("ditserve_queue_wait_ms", "Time a request waited in its queue (ms)",
+                                            boundaries=[1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000, 30000])
+        self._metric_routing = Counter("ditserve_routing_decisions", "Batches dispatched, by routing decision",
+                                       tag_keys=("decision",))
+        self._metric_rejections = Counter("ditserve_rejections", "Requests answered with an error, by reason",
+                                          tag_keys=("reason",))
+
+    def reconfigure_batching(self, batching: dict) -> None:
+        self._max_batch_size = int(batching["max_batch_size"])
+        self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
+        self._max_queued = int(batching["max_queued_requests"])
+        self._max_batch_cost = batching.get("max_batch_cost")
+        self._affinity = bool(batching.get("affinity", True))
+        self._max_affinity_wait_s = float(batching.get("max_affinity_wait_ms", 2000)) / 1e3
 
     async def model_facts(self) -> ModelFacts:
         if self._facts is None:
             self._facts = await self._replica.facts.remote()
         return self._facts
 
+    # -- requests -----------------------------------------------------------------------
     async def submit(self, params: SamplingParams) -> RequestOutput:
-        """Queue one request and wait for its output. Raises ``OverloadedError`` at once when
-        ``max_queued_requests`` are waiting, ``InternalError`` if its batch fails."""
+        """Queue one request and wait for its output.
+
+        Raises ``OverloadedError`` at once when ``max_queued_requests`` are waiting,
+        ``ServiceUnavailableError`` while shutting down, ``RequestTimeoutError`` when
+        ``params.timeout_s`` passes first, ``InternalError`` if its batch fails.
+        """
         if self._scheduler is None:
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+        if self._draining:
+            self._reject("shutting_down")
+            raise ServiceUnavailableError("server is shutting down", code="shutting_down",
+                                          request_id=params.request_id)
         if self._queued >= self._max_queued:
-            self._stats["rejected_overloaded"] += 1
+            self._reject("overloaded")
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
         pending = _Pending(params, asyncio.get_running_loop().create_future())
-        self._queues.setdefault(BatchSignature.of(params), deque()).append(pending)
+        signature = BatchSignature.of(params)
+        self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
+        self._metric_queue_depth.set(len(self._queues[signature]), tags={"signature": signature.digest})
         self._wakeup.set()
         try:
-            return await pending.future
+            if params.timeout_s is None:
+                return await pending.future
+            return await asyncio.wait_for(asyncio.shield(pending.future), params.timeout_s)
+        except asyncio.TimeoutError:
+            self._forget(pending)
+            self._reject("timeout")
+            raise RequestTimeoutError(f"request {params.request_id} did not finish within timeout_s="
+                                      f"{params.timeout_s}", param="timeout_s", code="timeout",
+                                      request_id=params.request_id) from None
         except asyncio.CancelledError:
-            self._forget(pending)  # the caller went away: never run it
+            if self._forget(pending):  # the caller went away while queued: never run it
+                self._counters["cancelled"] += 1
             raise
 
-    def _forget(self, pending: _Pending) -> None:
-        queue = self._queues.get(BatchSignature.of(pending.params))
-        if queue is not None and pending in queue:
-            queue.remove(pending)
-            self._queued -= 1
+    def _forget(self, pending: _Pending) -> bool:
+        signature = BatchSignature.of(pending.params)
+        queue = self._queues.get(signature)
+        if queue is None or pending not in queue:
+            return False
+        queue.remove(pending)
+        self._queued -= 1
+        self._metric_queue_depth.set(len(queue), tags={"signature": signature.digest})
+        return True
 
-    def stats(self) -> dict:
-        return {
-            "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
-            "queued": self._queued,
-            "inflight_batches": self._inflight,
-            "counters": dict(self._stats),
-        }
+    def _reject(self, reason: str) -> None:
+        self._counters[f"rejected_{reason}"] += 1
+        self._metric_rejections.inc(tags={"reason": reason})
 
     # -- scheduling ---------------------------------------------------------------------
-    def _next_batch(self, now: float) -> tuple[list[_Pending], float | None]:
-        """The batch to dispatch now (oldest ready queue first), or the seconds until one is due."""
-        ready, due = None, None
-        for queue in self._queues.values():
-            if not queue:
-                continue
-            head_age = now - queue[0].enqueued
-            full = sum(p.params.n for p in queue) >= self._max_batch_size
-            if full or head_age >= self._max_wait_s:
-                if ready is None or queue[0].enqueued < ready[0].enqueued:
-                    ready = queue
-            else:
-                wait = self._max_wait_s - head_age
-                due = wait if due is None else min(due, wait)
-        if ready is None:
-            return [], due
-        batch = [ready.popleft()]
-        images = batch[0].params.n
-        while ready and images + ready[0].params.n <= self._max_batch_size:
-            images += ready[0].params.n
-            batch.append(ready.popleft())
+    def _replica_views(self) -> list[ReplicaView] | None:
+        router = router_for(self._replica.app_name, self._replica.deployment_name)
+        views = router.replica_views() if router is not None else []
+        return views or None
+
+    def _queue_views(self, now: float) -> list[QueueView]:
+        return [QueueView(sig.digest, now - q[0].enqueued, sum(p.params.n for p in q), sum(p.cost for p in q))
+                for sig, q in self._queues.items() if q]
+
+    def _cut(self, digest: str) -> list[_Pending]:
+        signature, queue = next((s, q) for s, q in self._queues.items() if q and s.digest == digest)
+        batch, images, cost = [queue.popleft()], 0, 0.0
+        images, cost = batch[0].params.n, batch[0].cost
+        while queue and images + queue[0].params.n <= self._max_batch_size and (
+                self._max_batch_cost is None or cost + queue[0].cost <= self._max_batch_cost):
+            images += queue[0].params.n
+            cost += queue[0].cost
+            batch.append(queue.popleft())
         self._queued -= len(batch)
-        return batch, None
+        self._metric_queue_depth.set(len(queue), tags={"signature": signature.digest})
+        return batch
 
     async def _schedule(self) -> None:
         while True:
             self._wakeup.clear()
-            due = None
-            if self._inflight < self._capacity:
-                batch, due = self._next_batch(time.monotonic())
-                if batch:
-                    self._inflight += 1
-                    asyncio.get_running_loop().create_task(self._run(batch))
-                    continue
+            now = time.monotonic()
+            queues = self._queue_views(now)
+            replicas = self._replica_views()
+            known = replicas is not None
+            if not known:  # replica set not known yet: one batch per configured replica
+                replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(self._capacity)]
+            else:  # a batch counts against its replica from dispatch on, before Serve routes it
+                claimed = set(self._claims.values())
+                replicas = [ReplicaView(r.replica_id, r.state, r.busy or r.replica_id in claimed)
+                            for r in replicas]
+            decision = choose_queue(
+                queues, replicas, max_batch_size=self._max_batch_size, max_wait_s=self._max_wait_s,
+                max_affinity_wait_s=self._max_affinity_wait_s, max_batch_cost=self._max_batch_cost,
+                affinity=self._affinity) if queues else None
+            if decision is not None and self._inflight < len(replicas):
+                self._counters[f"routing_{decision.reason}"] += 1
+                self._metric_routing.inc(tags={"decision": decision.reason})
+                self._inflight += 1
+                asyncio.get_running_loop().create_task(
+                    self._run(self._cut(decision.signature), decision.replica_id if known else None))
+                continue
+            timeout = next_wakeup_s(queues, max_wait_s=self._max_wait_s,
+                                    max_affinity_wait_s=self._max_affinity_wait_s)
+            if queues:
+                timeout = REPLICA_POLL_S if timeout is None else min(timeout, REPLICA_POLL_S)
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=due)
+                await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
             except asyncio.TimeoutError:
                 pass
 
-    async def _run(self, pending: list[_Pending]) -> None:
+    async def _run(self, pending: list[_Pending], replica_id: str | None) -> None:
         dispatched = time.monotonic()
         params = tuple(p.params for p in pending)
-        batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", BatchSignature.of(params[0]), params)
+        batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", BatchSignature.of(params[0]), params,
+                      preferred_replica=replica_id)
+        if replica_id is not None:
+            self._claims[batch.batch_id] = replica_id
+        self._metric_batch_size.observe(batch.size)
+        for p in pending:
+            self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
         try:
             outputs = await self._replica.run_batch.remote(batch)
             for p, out in zip(pending, outputs):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
                 if not p.future.done():
                     p.future.set_result(out)
-            self._stats["batches"] += 1
-            self._stats["requests"] += len(pending)
+            self._counters["batches"] += 1
+            self._counters["requests"] += len(pending)
         except Exception as exc:  # answer every request of the failed batch
-            self._stats["failed_batches"] += 1
-            cause = getattr(exc, "cause", exc)
-            logger.error("batch %s failed: %r", batch.batch_id, cause)
+            self._counters["failed_batches"] += 1
+            cause = getattr(exc, "cause", None) or exc
+            logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)
             for p in pending:
                 if p.future.done():
                     continue
+                self._reject("batch_failed")
                 if isinstance(cause, DitServeError):
                     p.future.set_exception(cause)
                 else:
@@ -156,5 +236,30 @@ class Router:
                         f"batch {batch.batch_id} failed ({type(cause).__name__}); request {p.params.request_id}",
                         code="batch_failed", request_id=p.params.request_id))
         finally:
+            self._claims.pop(batch.batch_id, None)
             self._inflight -= 1
             self._wakeup.set()
+
+    # -- observability and lifecycle -----------------------------------------------------
+    def stats(self) -> dict:
+        router = router_for(self._replica.app_name, self._replica.deployment_name)
+        return {
+            "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
+            "queued": self._queued,
+            "inflight_batches": self._inflight,
+            "replicas": router.replica_stats() if router is not None else {},
+            "counters": dict(self._counters),
+        }
+
+    async def __del__(self):
+        """Serve calls this after draining (graceful_shutdown_timeout_s): answer what is left."""
+        self._draining = True
+        for queue in self._queues.values():
+            while queue:
+                pending = queue.popleft()
+                self._queued -= 1
+                if not pending.future.done():
+                    self._reject("shutting_down")
+                    pending.future.set_exception(ServiceUnavailableError(
+                        "server shut down before the request ran", code="shutting_down",
+                        request_id=pending.params.request_id))

@@ -78,6 +78,7 @@ class ImageGenerationRequest(BaseModel):
     cache_dit_params: dict[str, Any] | None = None
     cfg_gate_step: float | None = Field(default=None, allow_inf_nan=False)
     attention_backend_override: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

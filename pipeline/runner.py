@@ -28,6 +28,7 @@ class Batch:
     batch_id: str
     signature: BatchSignature
     requests: tuple[SamplingParams, ...]
+    preferred_replica: str | None = None  # the router's choice; Serve's request router honours it if free
 
     @property
     def size(self) -> int:

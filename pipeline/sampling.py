@@ -47,6 +47,7 @@ class SamplingParams:
     cfg_gate_step: float
     attention_backend: str | None
     response_format: str
+    timeout_s: float | None = None  # deadline in seconds from submission; None: none
 
 
 def resolve(request: ImageGenerationRequest, limits: ServingLimits,
@@ -90,4 +91,5 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         cfg_gate_step=request.cfg_gate_step if request.cfg_gate_step is not None else defaults.cfg_gate_step,
         attention_backend=request.attention_backend_override or defaults.attention_backend,
         response_format=request.response_format,
+        timeout_s=request.timeout_s,
     )

@@ -32,6 +32,7 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "cfg_gate_step": True,
     "attention_backend": True,
     "response_format": False,
+    "timeout_s": False,         # a deadline, not an execution setting
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 

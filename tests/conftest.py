@@ -40,9 +40,10 @@ def deploy(ray_cluster):
 
     current = {}
 
-    def _deploy(args: dict | None = None) -> str:
+    def _deploy(args: dict | None = None, fresh: bool = False) -> str:
         args = args or {}
-        if current.get("args") != args:
+        running = serve.status().applications.get("ditserve")
+        if fresh or current.get("args") != args or running is None or running.status != "RUNNING":
             serve.run(build_app(args), name="ditserve", route_prefix="/")
             current["args"] = args
         return ray_cluster["url"]

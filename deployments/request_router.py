@@ -1,0 +1,86 @@
+"""SignatureAffinityRouter: Ray Serve's request-router extension point, used for DiTReplica.
+
+Replicas report the signature of the last batch they ran through ``record_routing_stats``;
+this router also remembers where it sent each batch (fresher than the periodic stats). For
+a batch it ranks the replica the Router meant it for first, then the replicas whose state
+matches the batch's signature, then all others; within a rank Serve takes the least loaded replica that has room, and when every
+replica is full Serve's routing loop backs off (``initial_backoff_s`` ×
+``backoff_multiplier``) instead of spinning.
+
+The Router deployment that owns the DiTReplica handle runs in the same process as this
+object; it reads :meth:`replica_views` to form batches only when a replica can take one.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployments.scheduling import ReplicaView
+from pipeline.runner import Batch
+
+# (app name, deployment name) -> the live router of that deployment in this process.
+_ROUTERS: dict[tuple[str, str], "SignatureAffinityRouter"] = {}
+
+
+def router_for(app_name: str, deployment_name: str) -> "SignatureAffinityRouter | None":
+    return _ROUTERS.get((app_name, deployment_name))
+
+
+def _batch_of(pending_request: PendingRequest | None) -> Batch | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, Batch) else None
+
+
+class SignatureAffinityRouter(FIFOMixin, RequestRouter):
+    """Prefers a replica whose acceleration state already matches the batch's signature."""
+
+    def initialize_state(self, **kwargs):
+        self._routed_state: dict[ReplicaID, str] = {}
+        self._inflight: dict[str, ReplicaID] = {}
+        # Serve may load this class from a by-value pickle whose globals are a copy; register
+        # in the module the Router deployment imports.
+        import deployments.request_router as registry
+
+        registry._ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+
+    def state_of(self, replica: RunningReplica) -> str | None:
+        if replica.replica_id in self._routed_state:
+            return self._routed_state[replica.replica_id]
+        return (replica.routing_stats or {}).get("signature")
+
+    def replica_views(self) -> list[ReplicaView]:
+        busy = set(self._inflight.values())
+        return [ReplicaView(r.replica_id.unique_id, self.state_of(r), r.replica_id in busy)
+                for r in self._replicas_list]
+
+    def replica_stats(self) -> dict[str, dict]:
+        return {r.replica_id.unique_id: {"state": self.state_of(r), **(r.routing_stats or {})}
+                for r in self._replicas_list}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        batch = _batch_of(pending_request)
+        if batch is None:  # control calls (facts, stats): any replica
+            return [candidate_replicas]
+        signature = batch.signature.digest
+        preferred = [r for r in candidate_replicas if r.replica_id.unique_id == batch.preferred_replica]
+        matching = [r for r in candidate_replicas if self.state_of(r) == signature and r not in preferred]
+        others = [r for r in candidate_replicas if self.state_of(r) != signature and r not in preferred]
+        return [ranked for ranked in (preferred, matching, others) if ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        batch = _batch_of(pending_request)
+        if batch is not None:
+            self._routed_state[replica_id] = batch.signature.digest
+            self._inflight[pending_request.metadata.internal_request_id] = replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self._routed_state.pop(replica_id, None)
+        for key in [k for k, v in self._inflight.items() if v == replica_id]:
+            del self._inflight[key]

@@ -1,0 +1,91 @@
+"""The router's decision, as a pure function: which queue to cut into a batch now.
+
+Plain values in, plain values out, no Ray and no tensors, so the policy reads (and is
+tested) as a table. The router owns the queues and calls this whenever something changes.
+
+Policy (late binding; a batch is formed only when a replica can take it):
+
+1. A queue is *ready* when it holds ``max_batch_size`` images (or ``max_batch_cost``), or
+   its head has waited ``max_wait_ms``.
+2. Without affinity: the ready queue with the oldest head goes to any free replica.
+3. With affinity, ready queues are considered oldest head first:
+   - ``starvation``: a head older than ``max_affinity_wait_ms`` goes to any free replica;
+   - ``hit``: a free replica's state already equals the queue's signature;
+   - ``miss``: no replica (free or busy) holds that signature, so a free one must switch.
+   A ready queue whose signature is held only by busy replicas waits for one of them
+   (at most ``max_affinity_wait_ms``), so state changes happen only when they must.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueueView:
+    signature: str      # BatchSignature digest
+    head_age_s: float   # how long the oldest request has waited
+    images: int         # sum of n over the queue
+    cost: float         # sum of pixels x frames x n over the queue
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    replica_id: str
+    state: str | None   # digest of the signature it last ran (None: fresh replica)
+    busy: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    signature: str
+    reason: str         # "fifo" | "hit" | "miss" | "starvation"
+    replica_id: str     # the free replica the batch is meant for
+
+
+def is_ready(q: QueueView, *, max_batch_size: int, max_wait_s: float, max_batch_cost: float | None) -> bool:
+    full = q.images >= max_batch_size or (max_batch_cost is not None and q.cost >= max_batch_cost)
+    return full or q.head_age_s >= max_wait_s
+
+
+def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_batch_size: int,
+                 max_wait_s: float, max_affinity_wait_s: float, max_batch_cost: float | None = None,
+                 affinity: bool = True) -> Decision | None:
+    """The queue to dispatch now and why, or None (no free replica, nothing ready, or every
+    ready queue is waiting for its busy matching replica)."""
+    free = [r for r in replicas if not r.busy]
+    if not free:
+        return None
+    ready = sorted((q for q in queues if q.images and is_ready(
+        q, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_batch_cost=max_batch_cost)),
+        key=lambda q: -q.head_age_s)
+    if not ready:
+        return None
+    wanted = {q.signature for q in queues if q.images}
+    # A replica that must switch: prefer one whose state no queued request wants.
+    switch_to = min(free, key=lambda r: (r.state in wanted, r.state is not None)).replica_id
+    if not affinity:
+        return Decision(ready[0].signature, "fifo", free[0].replica_id)
+    held = {r.state for r in replicas}
+    for q in ready:
+        match = next((r for r in free if r.state == q.signature), None)
+        if match is not None:
+            return Decision(q.signature, "hit", match.replica_id)
+        if q.head_age_s >= max_affinity_wait_s:
+            return Decision(q.signature, "starvation" if q.signature in held else "miss", switch_to)
+    for q in ready:
+        if q.signature not in held:
+            return Decision(q.signature, "miss", switch_to)
+    return None
+
+
+def next_wakeup_s(queues: list[QueueView], *, max_wait_s: float, max_affinity_wait_s: float) -> float | None:
+    """Seconds until some queue becomes ready or starving (None when all queues are empty)."""
+    waits = []
+    for q in queues:
+        if not q.images:
+            continue
+        for limit in (max_wait_s, max_affinity_wait_s):
+            if q.head_age_s < limit:
+                waits.append(limit - q.head_age_s)
+    return min(waits) if waits else None

@@ -1,0 +1,176 @@
+"""The signature router through real Ray Serve with two CPU replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.replica import FAULT_ENV
+from pipeline.errors import InternalError, OverloadedError, RequestTimeoutError, ServiceUnavailableError
+
+pytestmark = pytest.mark.slow
+
+TWO_REPLICAS = {
+    "replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}, "torch_threads": 1},
+    "batching": {"max_batch_size": 4, "max_wait_ms": 20, "max_affinity_wait_ms": 400,
+                 "routing_stats_period_s": 0.2, "max_queued_requests": 64},
+    "limits": {"max_pixels": 256 * 256},
+}
+FAST = {"size": "64x64", "num_inference_steps": 2}
+SLOW = {"size": "256x256", "num_inference_steps": 60}  # about 3 s on one CPU thread
+
+
+def post(url, body, timeout=120):
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=timeout)
+
+
+def stats(url):
+    return httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture()
+def url(deploy):
+    return deploy(TWO_REPLICAS, fresh=True)
+
+
+def test_batches_are_signature_homogeneous_and_every_request_answered_once(url):
+    signatures = [{"num_inference_steps": 2}, {"num_inference_steps": 3}, {"num_inference_steps": 2, "size": "64x32"}]
+    bodies = [{"prompt": f"shape {i}", "seed": i, **signatures[i % 3]} for i in range(24)]
+    with ThreadPoolExecutor(24) as pool:
+        responses = list(pool.map(lambda b: post(url, b), bodies))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    metas = [r.json()["ditserve"] for r in responses]
+    assert len({m["request_id"] for m in metas}) == 24
+    by_batch = defaultdict(set)
+    for m in metas:
+        by_batch[m["batch_id"]].add(m["signature"])
+    assert all(len(sigs) == 1 for sigs in by_batch.values())
+    assert len(by_batch) < 24  # requests were batched
+    for body, m in zip(bodies, metas):  # each answer is its own request's
+        assert m["seed"] == body["seed"]
+    assert stats(url)["counters"]["requests"] >= 24
+
+
+def test_affinity_keeps_replicas_in_their_state(url):
+    a = {"num_inference_steps": 2, "size": "64x64"}
+    b = {"num_inference_steps": 3, "size": "64x64"}
+    metas = []
+    with ThreadPoolExecutor(4) as pool:
+        for rnd in range(6):  # waves of alternating signatures
+            bodies = [{"prompt": f"p{rnd}{i}", "seed": i, **(a if i % 2 else b)} for i in range(4)]
+            metas += [r.json()["ditserve"] for r in pool.map(lambda body: post(url, body), bodies)]
+    batches = {m["batch_id"]: m for m in metas}
+    changes = sum(m["state_change"] for m in batches.values())
+    assert changes <= 2, f"{changes} state changes over {len(batches)} batches"
+    counters = stats(url)["counters"]
+    assert counters.get("routing_hit", 0) > counters.get("routing_miss", 0)
+
+
+def test_starved_queue_is_served_within_its_bound(url):
+    with ThreadPoolExecutor(3) as pool:
+        slow = pool.submit(post, url, {"prompt": "slow", "seed": 1, **SLOW})
+        wait_until(lambda: stats(url)["inflight_batches"] == 1)
+        fast = post(url, {"prompt": "fast", "seed": 2, **FAST}).json()["ditserve"]  # the other replica
+        slow_replica = next(rid for rid, s in stats(url)["replicas"].items() if rid != fast["replica"])
+        # Same signature as the running slow batch: it waits for that replica, then starves over.
+        started = time.monotonic()
+        waiting = post(url, {"prompt": "slow too", "seed": 3, **SLOW}, timeout=300)
+        assert waiting.status_code == 200
+        meta = waiting.json()["ditserve"]
+        assert slow.result().status_code == 200
+    assert meta["timings_ms"]["queue"] >= 400 * 0.9
+    assert meta["replica"] != slow_replica  # served by the free replica, not after the busy one
+    assert stats(url)["counters"].get("routing_starvation", 0) >= 1
+    assert time.monotonic() - started > 0
+
+
+def test_overflow_is_429_without_touching_replicas(deploy):
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+                  "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}, fresh=True)
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **SLOW})
+        wait_until(lambda: stats(url)["inflight_batches"] == 1)
+        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(2)]
+        wait_until(lambda: stats(url)["queued"] == 2)
+        over = post(url, {"prompt": "one too many", "seed": 9, **FAST})
+        assert over.status_code == 429
+        assert over.headers["retry-after"] == "1"
+        assert over.json()["error"]["type"] == "rate_limit_error"
+        assert all(f.result().status_code == 200 for f in [running, *queued])
+    counters = stats(url)["counters"]
+    assert counters["rejected_overloaded"] == 1
+    assert counters["requests"] == 3  # the rejected one never reached a replica
+
+
+def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    busy = handle.generate.remote({"prompt": "busy", "seed": 1, **SLOW})
+    wait_until(lambda: stats(url)["inflight_batches"] == 1)
+    doomed = handle.generate.remote({"prompt": "cancel me", "seed": 2, **FAST})
+    wait_until(lambda: stats(url)["queued"] == 1)
+    doomed.cancel()
+    wait_until(lambda: stats(url)["queued"] == 0)
+    with pytest.raises(httpx.ReadTimeout):  # an HTTP client that hangs up leaves the queue too
+        post(url, {"prompt": "gone", "seed": 4, **FAST}, timeout=1.0)
+    wait_until(lambda: stats(url)["counters"].get("cancelled", 0) == 2)
+    assert stats(url)["queued"] == 0
+    with pytest.raises(RequestTimeoutError) as info:
+        handle.generate.remote({"prompt": "too late", "seed": 3, "timeout_s": 0.3, **FAST}).result()
+    assert info.value.status_code == 504
+    r = post(url, {"prompt": "too late", "seed": 3, "timeout_s": 0.3, **FAST})
+    assert r.status_code == 504 and r.json()["error"]["param"] == "timeout_s"
+    busy.result()
+    counters = stats(url)["counters"]
+    assert counters["cancelled"] == 2 and counters["rejected_timeout"] == 2
+    assert counters["requests"] == 1  # only the busy request ever ran
+
+
+def test_failing_signature_answers_each_request_while_others_flow(deploy):
+    args = {**TWO_REPLICAS}
+    args["replica"] = {**TWO_REPLICAS["replica"],
+                       "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {FAULT_ENV: "steps=3 "}}}}
+    url = deploy(args, fresh=True)
+    bodies = [{"prompt": f"p{i}", "seed": i, "num_inference_steps": 3 if i % 2 else 2} for i in range(12)]
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda b: post(url, b), bodies))
+    for body, r in zip(bodies, responses):
+        if body["num_inference_steps"] == 3:
+            assert r.status_code == 500
+            error = r.json()["error"]
+            assert "request img-" in error["message"] and "Traceback" not in error["message"]
+        else:
+            assert r.status_code == 200
+    assert post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2}).status_code == 200
+    assert stats(url)["counters"]["failed_batches"] >= 1
+
+
+def test_shutdown_answers_every_queued_request(deploy):
+    deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
+    time.sleep(0.2)
+    serve.delete("ditserve", _blocking=False)
+    answered = 0
+    for response in responses:
+        try:
+            response.result(timeout_s=120)
+        except (ServiceUnavailableError, InternalError, Exception) as exc:  # noqa: B014
+            assert not isinstance(exc, TimeoutError), "a request got no answer"
+        answered += 1
+    assert answered == 6

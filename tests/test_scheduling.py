@@ -1,0 +1,58 @@
+"""The router's queue choice as a table: (queues, replicas) -> which queue, why, for whom."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.scheduling import Decision, QueueView, ReplicaView, choose_queue, next_wakeup_s
+
+KW = dict(max_batch_size=4, max_wait_s=0.010, max_affinity_wait_s=0.5)
+
+
+def q(sig, age, images=1):
+    return QueueView(sig, age, images, float(images))
+
+
+def r(rid, state, busy=False):
+    return ReplicaView(rid, state, busy)
+
+
+@pytest.mark.parametrize("queues, replicas, expected", [
+    # nothing ready yet (young head, not full)
+    ([q("A", 0.001)], [r("1", None)], None),
+    # full queue is ready at once
+    ([q("A", 0.001, images=4)], [r("1", None)], Decision("A", "miss", "1")),
+    # no free replica: nothing is formed (late binding)
+    ([q("A", 1.0)], [r("1", "A", busy=True)], None),
+    # hit: a free replica already in the state
+    ([q("A", 0.02)], [r("1", "B"), r("2", "A")], Decision("A", "hit", "2")),
+    # oldest ready queue whose matching replica is busy waits; a younger one with a free match goes
+    ([q("A", 0.2), q("B", 0.02)], [r("1", "A", busy=True), r("2", "B")], Decision("B", "hit", "2")),
+    # matching replica busy, nothing else to do: wait for it (below the affinity bound)
+    ([q("A", 0.2)], [r("1", "A", busy=True), r("2", "B")], None),
+    # ... until the head starves: any free replica takes it
+    ([q("A", 0.6)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "starvation", "2")),
+    # a signature no replica holds takes a free replica, preferring one whose state nobody wants
+    ([q("C", 0.02), q("A", 0.001)], [r("1", "A"), r("2", "B")], Decision("C", "miss", "2")),
+    # fresh replicas are taken before ones holding a wanted state
+    ([q("C", 0.02)], [r("1", "A"), r("2", None)], Decision("C", "miss", "2")),
+])
+def test_affinity_table(queues, replicas, expected):
+    assert choose_queue(queues, replicas, **KW) == expected
+
+
+def test_without_affinity_oldest_ready_queue_wins():
+    queues = [q("A", 0.02), q("B", 0.05)]
+    assert choose_queue(queues, [r("1", "A")], affinity=False, **KW) == Decision("B", "fifo", "1")
+
+
+def test_cost_cap_makes_a_queue_ready():
+    heavy = QueueView("A", 0.0, 1, 1e6)
+    assert choose_queue([heavy], [r("1", None)], max_batch_cost=5e5, **KW) == Decision("A", "miss", "1")
+    assert choose_queue([heavy], [r("1", None)], **KW) is None
+
+
+def test_next_wakeup_is_the_nearest_bound():
+    assert next_wakeup_s([], max_wait_s=0.01, max_affinity_wait_s=0.5) is None
+    assert next_wakeup_s([q("A", 0.004)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.006)
+    assert next_wakeup_s([q("A", 0.1)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.4)
