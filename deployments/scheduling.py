@@ -11,7 +11,9 @@ Policy (late binding; a batch is formed only when a replica can take it):
 3. With affinity, ready queues are considered oldest head first:
    - ``starvation``: a head older than ``max_affinity_wait_ms`` goes to any free replica;
    - ``hit``: a free replica's state already equals the queue's signature;
-   - ``miss``: no replica (free or busy) holds that signature, so a free one must switch.
+   - ``miss``: no replica (free or busy) holds that signature, so a free one must switch;
+     only a *spare* replica switches (no queued request wants its current state), and
+     it switches for the unheld queue with the most images.
    A ready queue whose signature is held only by busy replicas waits for one of them
    (at most ``max_affinity_wait_ms``), so state changes happen only when they must.
 """
@@ -61,21 +63,23 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
         key=lambda q: -q.head_age_s)
     if not ready:
         return None
-    wanted = {q.signature for q in queues if q.images}
-    # A replica that must switch: prefer one whose state no queued request wants.
-    switch_to = min(free, key=lambda r: (r.state in wanted, r.state is not None)).replica_id
     if not affinity:
         return Decision(ready[0].signature, "fifo", free[0].replica_id)
+    wanted = {q.signature for q in queues if q.images}
     held = {r.state for r in replicas}
+    # Replicas that may switch without abandoning queued work in their own state.
+    spare = sorted((r for r in free if r.state not in wanted), key=lambda r: r.state is not None)
     for q in ready:
         match = next((r for r in free if r.state == q.signature), None)
         if match is not None:
             return Decision(q.signature, "hit", match.replica_id)
         if q.head_age_s >= max_affinity_wait_s:
-            return Decision(q.signature, "starvation" if q.signature in held else "miss", switch_to)
-    for q in ready:
-        if q.signature not in held:
-            return Decision(q.signature, "miss", switch_to)
+            target = (spare or free)[0].replica_id
+            return Decision(q.signature, "starvation" if q.signature in held else "miss", target)
+    unheld = [q for q in ready if q.signature not in held]
+    if spare and unheld:  # switch once, for the queue that fills the biggest batch
+        q = max(unheld, key=lambda q: (q.images, q.head_age_s))
+        return Decision(q.signature, "miss", spare[0].replica_id)
     return None
 
 

@@ -34,8 +34,12 @@ def r(rid, state, busy=False):
     ([q("A", 0.6)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "starvation", "2")),
     # a signature no replica holds takes a free replica, preferring one whose state nobody wants
     ([q("C", 0.02), q("A", 0.001)], [r("1", "A"), r("2", "B")], Decision("C", "miss", "2")),
-    # fresh replicas are taken before ones holding a wanted state
+    # fresh replicas switch first
     ([q("C", 0.02)], [r("1", "A"), r("2", None)], Decision("C", "miss", "2")),
+    # a free replica whose own state still has queued work does not switch away from it
+    ([q("C", 0.02), q("A", 0.001)], [r("1", "A"), r("2", "B", busy=True)], None),
+    # the unheld queue with the most images gets the switch
+    ([q("C", 0.03), q("D", 0.02, images=3)], [r("1", "A")], Decision("D", "miss", "1")),
 ])
 def test_affinity_table(queues, replicas, expected):
     assert choose_queue(queues, replicas, **KW) == expected

@@ -1,0 +1,110 @@
+"""Batching and affinity, measured side by side in one run on the embedded tiny-flux.
+
+1. Throughput (images/s) of 16 concurrent equal-signature requests with
+   ``max_batch_size`` 1 vs 8 (two apps, one replica each, rounds alternated).
+   Target (issue 3): batching >= 2.5x.
+2. Acceleration-state changes per 100 requests of a 4-signature mixed workload on
+   2 replicas, with affinity routing vs Ray Serve's default router (FIFO over queues,
+   power of two choices). Target: affinity <= 1/2 of the default's changes.
+
+    python bench/batching.py [--rounds 3] [--requests 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from deployments.cli import _free_port  # noqa: E402
+
+
+def app_args(max_batch_size: int, replicas: int, threads: int, affinity: bool = True) -> dict:
+    return {"replica": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": threads},
+                        "torch_threads": threads},
+            "batching": {"max_batch_size": max_batch_size, "max_wait_ms": 10, "affinity": affinity,
+                         "max_affinity_wait_ms": 2000, "routing_stats_period_s": 0.5}}
+
+
+def burst(client: httpx.Client, url: str, bodies: list[dict], concurrency: int) -> tuple[float, list[dict]]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        responses = list(pool.map(lambda b: client.post(url, json=b), bodies))
+    elapsed = time.perf_counter() - t0
+    for r in responses:
+        r.raise_for_status()
+    return elapsed, [r.json()["ditserve"] for r in responses]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=16)
+    ns = ap.parse_args()
+
+    port = _free_port()
+    ray.init(num_cpus=16, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=32))
+    try:
+        # 1. throughput, batch size 1 vs 8
+        serve.run(build_app(app_args(1, 1, 2)), name="bs1", route_prefix="/bs1")
+        serve.run(build_app(app_args(8, 1, 2)), name="bs8", route_prefix="/bs8")
+        bodies = [{"prompt": f"a shape number {i}", "seed": i, "num_inference_steps": ns.steps} for i in range(16)]
+        rates = {"bs1": [], "bs8": []}
+        sizes = {"bs1": [], "bs8": []}
+        for name in rates:  # warm-up
+            burst(client, f"{base}/{name}/v1/images/generations", bodies[:4], 4)
+        for _ in range(ns.rounds):
+            for name in rates:
+                elapsed, metas = burst(client, f"{base}/{name}/v1/images/generations", bodies, 16)
+                rates[name].append(len(bodies) / elapsed)
+                sizes[name] += [m["batch_size"] for m in {m["batch_id"]: m for m in metas}.values()]
+        serve.delete("bs1")
+        serve.delete("bs8")
+        r1, r8 = statistics.median(rates["bs1"]), statistics.median(rates["bs8"])
+        print(f"16 concurrent requests, tiny-flux 64x64, {ns.steps} steps, 1 replica x 2 threads, "
+              f"{ns.rounds} alternated rounds")
+        print(f"  max_batch_size=1: {r1:6.2f} images/s")
+        print(f"  max_batch_size=8: {r8:6.2f} images/s   (mean batch size {statistics.mean(sizes['bs8']):.1f})")
+        print(f"  batching speed-up: {r8 / r1:.2f}x   target >= 2.5x: {'MET' if r8 / r1 >= 2.5 else 'MISSED'}")
+
+        # 2. state changes, affinity vs default router
+        serve.run(build_app(app_args(4, 2, 1, affinity=True)), name="affinity", route_prefix="/affinity")
+        serve.run(build_app(app_args(4, 2, 1, affinity=False)), name="default", route_prefix="/default")
+        rng = random.Random(0)
+        workload = [{"prompt": f"p{i}", "seed": i, "num_inference_steps": rng.choice([2, 3, 4, 5])}
+                    for i in range(ns.requests)]
+        changes = {}
+        for name in ("affinity", "default"):
+            burst(client, f"{base}/{name}/v1/images/generations", workload[:8], 8)  # warm-up
+            _, metas = burst(client, f"{base}/{name}/v1/images/generations", workload, 8)
+            batches = {m["batch_id"]: m for m in metas}.values()
+            changes[name] = (sum(m["state_change"] for m in batches), len(batches))
+        per100 = {k: 100 * c / ns.requests for k, (c, _) in changes.items()}
+        print(f"{ns.requests} requests over 4 signatures, 2 replicas, 8 concurrent clients")
+        for name in ("affinity", "default"):
+            c, b = changes[name]
+            print(f"  {name:8s} router: {per100[name]:5.1f} state changes per 100 requests ({c} in {b} batches)")
+        ratio = per100["affinity"] / per100["default"] if per100["default"] else float("nan")
+        print(f"  affinity / default: {ratio:.2f}   target <= 0.5: {'MET' if ratio <= 0.5 else 'MISSED'}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
