@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, with_env_overrides
 from deployments.ingress import Ingress
 from deployments.replica import DiTReplica
 from deployments.request_router import SignatureAffinityRouter
@@ -14,8 +14,10 @@ from deployments.router import Router
 
 def build_app(args: dict | AppConfig | None = None) -> Application:
     """Validate ``args`` (see ``deployments.config.AppConfig``) and bind the three deployments:
-    Ingress → Router → DiTReplica. Raises ``pydantic.ValidationError`` on a bad config."""
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    Ingress → Router → DiTReplica. ``DITSERVE_*`` environment variables override the
+    acceleration defaults (see ``AccelerationConfig``). Raises ``pydantic.ValidationError``
+    on a bad config."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
     batching = config.batching
     router_config = RequestRouterConfig(request_routing_stats_period_s=batching.routing_stats_period_s)
     if batching.affinity:
@@ -25,6 +27,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         num_replicas=config.replica.num_replicas,
         ray_actor_options=config.replica.ray_actor_options,
         request_router_config=router_config,
-    ).bind(config.model.model_dump(), config.replica.torch_threads)
+    ).bind(config.model.model_dump(), config.replica.torch_threads, config.acceleration.model_dump(),
+           config.limits.model_dump())
     router = Router.bind(replica, batching.model_dump(), config.replica.num_replicas)
     return Ingress.bind(router, config.model_dump())

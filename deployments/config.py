@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -64,12 +66,22 @@ class BatchingConfig(_Strict):
 
 
 class AccelerationConfig(_Strict):
-    """Server defaults of the per-request acceleration fields."""
+    """Server defaults of the per-request acceleration fields, and torch.compile.
+
+    Each may be overridden by an environment variable of the process that builds the app:
+    ``DITSERVE_ENABLE_CACHE_DIT`` (true/false), ``DITSERVE_CACHE_DIT_PARAMS`` (JSON object),
+    ``DITSERVE_CFG_GATE_STEP``, ``DITSERVE_ATTENTION_BACKEND``, ``DITSERVE_TORCH_COMPILE``.
+    ``warmup``: run one batch of the default signature when a replica starts (always done
+    when ``torch_compile`` is on, so the compiled path is the one requests take).
+    """
 
     enable_cache_dit: bool = False
     cache_dit_params: dict[str, Any] | None = None
     cfg_gate_step: float = Field(default=1.0, gt=0, le=1)
     attention_backend: str | None = None
+    torch_compile: bool = False
+    compile_backend: str = "inductor"
+    warmup: bool = False
 
     @field_validator("cache_dit_params")
     @classmethod
@@ -84,6 +96,27 @@ class AccelerationConfig(_Strict):
         if v is not None and v not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {v!r}")
         return v
+
+
+ENV_OVERRIDES = {
+    "DITSERVE_ENABLE_CACHE_DIT": ("enable_cache_dit", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+    "DITSERVE_CACHE_DIT_PARAMS": ("cache_dit_params", json.loads),
+    "DITSERVE_CFG_GATE_STEP": ("cfg_gate_step", float),
+    "DITSERVE_ATTENTION_BACKEND": ("attention_backend", lambda v: v or None),
+    "DITSERVE_TORCH_COMPILE": ("torch_compile", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+}
+
+
+def with_env_overrides(args: dict, environ=os.environ) -> dict:
+    """``args`` with the acceleration defaults named by ``DITSERVE_*`` variables replaced."""
+    acceleration = dict(args.get("acceleration") or {})
+    for var, (key, parse) in ENV_OVERRIDES.items():
+        if var in environ:
+            try:
+                acceleration[key] = parse(environ[var])
+            except ValueError as exc:
+                raise ValueError(f"{var}={environ[var]!r}: {exc}") from None
+    return {**args, "acceleration": acceleration} if acceleration else dict(args)
 
 
 class ReplicaConfig(_Strict):

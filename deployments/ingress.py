@@ -69,7 +69,8 @@ class Ingress:
                 default_width=width, default_height=height, default_steps=lim["default_steps"],
                 default_guidance_scale=lim["default_guidance_scale"], max_n=lim["max_n"],
                 max_pixels=lim["max_pixels"], max_steps=lim["max_steps"],
-                max_prompt_chars=lim["max_prompt_chars"], guidance_embeds=facts.guidance_embeds)
+                max_prompt_chars=lim["max_prompt_chars"], guidance_embeds=facts.guidance_embeds,
+                num_blocks=facts.num_blocks, attention_rejections=facts.attention_rejections)
         return self._limits
 
     # -- handle API ---------------------------------------------------------------------

@@ -8,11 +8,26 @@ import os
 import torch
 from ray import serve
 
+from pipeline.accel import freeze_cache_dit_params
+from pipeline.contract import ServingLimits, parse_size
 from pipeline.runner import Batch, BatchRunner, ModelFacts, RequestOutput
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve
+from pipeline.contract import ImageGenerationRequest
 
 # Fault injection for chaos tests and drills: a batch whose signature text contains this
 # substring fails inside the replica (as a real model error would).
 FAULT_ENV = "DITSERVE_FAIL_SIGNATURES_CONTAINING"
+
+
+def default_params(model_name: str, acceleration: dict, limits: dict, guidance_embeds: bool) -> SamplingParams:
+    """The warmup request: the server's default size, steps and acceleration settings."""
+    width, height = parse_size(limits.get("default_size", "64x64"))
+    serving = ServingLimits(model_name, 1, width, height, limits.get("default_steps", 16),
+                            limits.get("default_guidance_scale", 3.5), guidance_embeds=guidance_embeds)
+    defaults = AccelerationDefaults(acceleration.get("enable_cache_dit", False),
+                                    freeze_cache_dit_params(acceleration.get("cache_dit_params")),
+                                    acceleration.get("cfg_gate_step", 1.0), acceleration.get("attention_backend"))
+    return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 
 @serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
@@ -24,10 +39,17 @@ class DiTReplica:
     of its last batch (its acceleration state) to the request router.
     """
 
-    def __init__(self, model: dict, torch_threads: int | None = None):
+    def __init__(self, model: dict, torch_threads: int | None = None, acceleration: dict | None = None,
+                 limits: dict | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self._runner = BatchRunner(**model)
+        acceleration = acceleration or {}
+        self._runner = BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
+                                   torch_compile=acceleration.get("torch_compile", False),
+                                   compile_backend=acceleration.get("compile_backend", "inductor"))
+        if acceleration.get("torch_compile") or acceleration.get("warmup"):
+            self._runner.warmup(default_params(model["name"], acceleration, limits or {},
+                                               self._runner.facts().guidance_embeds))
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = asyncio.Lock()
         self._state: str | None = None  # digest of the last batch's signature
@@ -38,7 +60,8 @@ class DiTReplica:
         return self._runner.facts()
 
     def record_routing_stats(self) -> dict:
-        return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes}
+        return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
+                **self._runner.state(), **self._runner.counters()}
 
     async def run_batch(self, batch: Batch) -> list[RequestOutput]:
         async with self._lock:

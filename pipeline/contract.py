@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -40,6 +40,8 @@ class ServingLimits:
     max_steps: int = 100
     max_prompt_chars: int = 2000
     guidance_embeds: bool = True
+    num_blocks: int = 0  # transformer blocks cache-dit sees; 0: unknown (not checked)
+    attention_rejections: dict = field(default_factory=dict)  # kernel -> reasons it cannot run here
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -160,9 +162,16 @@ class ImageGenerationRequest(BaseModel):
 
     @field_validator("cache_dit_params")
     @classmethod
-    def _cache_dit_params(cls, v: dict | None) -> dict | None:
+    def _cache_dit_params(cls, v: dict | None, info: ValidationInfo) -> dict | None:
         if v is not None:
             problems = validate_cache_dit_params(v)
+            limits = _limits(info)
+            if not problems and limits and limits.num_blocks:
+                for where, knobs in (("cache_dit_params", v), ("cache_dit_params.secondary", v.get("secondary") or {})):
+                    used = knobs.get("Fn_compute_blocks", 8) + knobs.get("Bn_compute_blocks", 0)
+                    if used > limits.num_blocks:
+                        problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
+                                        f"model's {limits.num_blocks} transformer blocks")
             if problems:
                 raise ValueError("; ".join(problems))
         return v
@@ -176,16 +185,34 @@ class ImageGenerationRequest(BaseModel):
 
     @field_validator("attention_backend_override")
     @classmethod
-    def _attention_backend(cls, v: str | None) -> str | None:
+    def _attention_backend(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and v not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend_override must be one of {', '.join(ATTENTION_BACKENDS)}, got {v!r}")
+        limits = _limits(info)
+        if v is not None and limits and limits.attention_rejections.get(v):
+            raise ValueError(f"attention_backend_override {v!r} cannot run on this deployment: "
+                             + "; ".join(limits.attention_rejections[v]))
         return v
+
+    @model_validator(mode="after")
+    def _scm_bins_cover_steps(self, info: ValidationInfo) -> "ImageGenerationRequest":
+        limits = _limits(info)
+        bins = self.cache_dit_params or {}
+        if limits and "scm_compute_bins" in bins:
+            steps = self.num_inference_steps or limits.default_steps
+            covered = sum(bins["scm_compute_bins"]) + sum(bins["scm_cache_bins"])
+            if covered < steps:
+                raise ValueError(f"cache_dit_params: scm_compute_bins + scm_cache_bins cover {covered} steps, "
+                                 f"fewer than num_inference_steps={steps}")
+        return self
 
 
 def _describe(error: dict) -> tuple[str, str]:
-    field = ".".join(str(p) for p in error.get("loc", ())) or "body"
     message = error.get("msg", "invalid")
     message = message.removeprefix("Value error, ")
+    field = ".".join(str(p) for p in error.get("loc", ())) or message.split(":")[0].split(" ")[0]
+    if field not in ImageGenerationRequest.model_fields:
+        field = field if error.get("loc") else "body"
     if error.get("type") == "extra_forbidden":
         message = f"unknown field {field!r}"
     elif message.startswith(field):

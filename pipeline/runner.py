@@ -1,7 +1,9 @@
 """The replica-side batch runner: loads a checkpoint and turns a Batch into per-request outputs.
 
-It owns the model and (later) the acceleration state of one rank; it never decides what
-runs next. PNG encoding happens here so no tensor ever reaches the router.
+It owns the model and the acceleration state of one rank and never decides what runs next.
+Per batch, in the design's order: 1 attention override (prepare, then flip all layers),
+2 Cache-DiT transition, 3 torch.compile (once per module, after Cache-DiT is mounted),
+4 the denoising loop, 5 decode. PNG encoding happens here so no tensor reaches the router.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from pipeline.attention import KERNELS, AttentionSwitch, kernel_rejections
+from pipeline.cache_dit_state import CacheDiTExecutor, CacheKey
 from pipeline.families import detect_family, load_family
 from pipeline.loop import denoise_batch
 from pipeline.sampling import SamplingParams
@@ -50,11 +54,17 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the ingress needs to validate requests without loading the model."""
+    """What the ingress needs to validate requests without loading the model.
+
+    ``num_blocks``: transformer blocks cache-dit sees (bounds Fn + Bn).
+    ``attention_rejections``: per request-switchable kernel, why it cannot run here.
+    """
 
     family: str
     spatial_factor: int
     guidance_embeds: bool
+    num_blocks: int = 0
+    attention_rejections: dict = field(default_factory=dict)
 
 
 def resolve_checkpoint(name: str, path: str | None) -> Path | str:
@@ -85,32 +95,93 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class BatchRunner:
-    """Loads one checkpoint and runs signature-homogeneous batches on it, one at a time."""
+    """Loads one checkpoint and runs signature-homogeneous batches on it, one at a time.
+
+    ``attention_backend``: the server's default kernel (None: diffusers' default, torch SDPA).
+    ``torch_compile``: compile each transformer once, after Cache-DiT is mounted when wanted;
+    ``compile_backend`` is ``torch.compile``'s backend ("inductor"; "eager" for cheap tests).
+    """
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
-                 dtype: str = "float32", device: str = "cpu"):
+                 dtype: str = "float32", device: str = "cpu", *, attention_backend: str | None = None,
+                 torch_compile: bool = False, compile_backend: str = "inductor"):
         checkpoint = resolve_checkpoint(name, path)
         self.name = name
         self.family_name = family or detect_family(checkpoint)
         self.family = load_family(self.family_name, checkpoint, torch_dtype=DTYPES[dtype], device=device)
+        transformers = list(self.family.transformers.values())
+        self.cache = CacheDiTExecutor(transformers[0])
+        self.attention = AttentionSwitch(transformers, default=attention_backend)
+        self.torch_compile = torch_compile
+        self.compile_backend = compile_backend
+        self.compiled: set[int] = set()
+        self.events: list[tuple] = []  # (what, detail) in order: mounts and compiles, for audits
+        self.compiles = 0
 
     def facts(self) -> ModelFacts:
-        return ModelFacts(self.family_name, self.family.spatial_factor, self.family.guidance_embeds)
+        device, dtype = self.family.device, self.family.dtype
+        layers = len(self.attention.layers)
+        t = self.family.transformer
+        blocks = sum(len(getattr(t, a, ())) for a in ("transformer_blocks", "single_transformer_blocks", "blocks"))
+        rejections = {name: kernel_rejections(name, device=torch.device(device), dtype=dtype,
+                                              torch_compile=self.torch_compile, num_layers=layers)
+                      for name in KERNELS}
+        return ModelFacts(self.family_name, self.family.spatial_factor, self.family.guidance_embeds, blocks,
+                          {k: v for k, v in rejections.items() if v})
+
+    def counters(self) -> dict:
+        return {**self.cache.counters, "compiles": self.compiles, "attention_switches": self.attention.switches}
+
+    def state(self) -> dict:
+        active = self.cache.active
+        return {"cache_dit_key": None if active is None else dict(active.overrides),
+                "attention_backend": self.attention.active or "default"}
+
+    def _prepare_state(self, head: SamplingParams) -> str:
+        prepared = self.attention.prepare(head.attention_backend)  # may raise; changes nothing
+        self.attention.apply(prepared)
+        wanted = CacheKey(head.cache_dit_params or (), head.do_true_cfg) if head.enable_cache_dit else None
+        transition = self.cache.apply(wanted, head.num_inference_steps)
+        if transition in ("mount", "remount"):
+            self.events.append(("mount", transition))
+        if self.torch_compile:
+            for name, module in self.family.transformers.items():
+                if id(module) not in self.compiled:
+                    module.compile(backend=self.compile_backend)
+                    self.compiled.add(id(module))
+                    self.compiles += 1
+                    self.events.append(("compile", name, self.cache.active is not None))
+        return transition
+
+    def warmup(self, head: SamplingParams) -> None:
+        """Run one batch with the server's default settings, so Cache-DiT is mounted (when
+        it is the default) before torch.compile traces the path real requests take."""
+        self.run(Batch("warmup", BatchSignature.of(head), (head,)))
 
     def run(self, batch: Batch, on_step=None) -> list[RequestOutput]:
-        """Denoise and decode ``batch``; one RequestOutput per request, in batch order.
+        """Move the acceleration state to the batch's signature, denoise and decode.
 
-        Raises whatever the model raises; the caller answers every request of the batch.
+        One RequestOutput per request, in batch order. Raises whatever the model or
+        cache-dit raises, after leaving Cache-DiT unmounted; the caller answers every
+        request of the batch.
         """
-        out = denoise_batch(self.family, list(batch.requests), on_step=on_step)
+        head = batch.requests[0]
+        transition = self._prepare_state(head)
+        try:
+            out = denoise_batch(self.family, list(batch.requests), on_step=on_step,
+                                on_uncond_skipped=self.cache.skip_uncond_slot)
+        except Exception:
+            self.cache.reset()
+            raise
+        cached = self.cache.cached_steps()
         t0 = time.perf_counter()
         pngs = [[encode_png(img) for img in images] for images in out.images]
         encode_ms = (time.perf_counter() - t0) * 1e3
-        head = batch.requests[0]
         acceleration = {
-            "cache_dit": {"active": False, "transition": "none", "cached_steps": 0, "computed_steps": out.steps},
-            "attention_backend": head.attention_backend or "default",
-            "cfg_gate": {"gate_step": head.cfg_gate_step, "reused_steps": 0},
+            "cache_dit": {"active": self.cache.active is not None, "transition": transition,
+                          "cached_steps": cached, "computed_steps": out.steps - cached},
+            "attention_backend": self.attention.active or "default",
+            "cfg_gate": {"gate_step": head.cfg_gate_step, "reused_steps": out.cfg_reused_steps},
         }
         return [
             RequestOutput(p.request_id, p.seed, png_list,

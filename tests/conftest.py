@@ -6,7 +6,10 @@ a free loopback port.
 
 from __future__ import annotations
 
+import os
 import socket
+
+os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # before cache_dit is imported anywhere
 
 import pytest
 

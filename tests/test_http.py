@@ -159,3 +159,35 @@ def test_handle_from_a_separate_driver_matches_http(client, ray_cluster):
     assert base64.b64decode(out["png"]) == http_png
     assert out["error"]["status"] == 400 and out["error"]["param"] == "prompt"
     assert "n must be" in out["error"]["message"]
+
+
+def test_acceleration_rejections_list_all_reasons_before_queueing(url):
+    before = httpx.get(f"{url}/v1/stats").json()["router"]["counters"].get("requests", 0)
+    r = httpx.post(f"{url}/v1/images/generations", timeout=60, json={
+        "prompt": "a", "attention_backend_override": "fa",
+        "cache_dit_params": {"Fn_compute_blocks": 9, "Bn_compute_blocks": 4}})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    for part in ("'fa' cannot run", "needs a CUDA device", "flash_attn", "float32", "exceeds the model's 10"):
+        assert part in message, message
+    r = httpx.post(f"{url}/v1/images/generations", timeout=60, json={
+        "prompt": "a", "num_inference_steps": 8, "cache_dit_params": {"scm_compute_bins": [2], "scm_cache_bins": [2]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_dit_params"
+    assert httpx.get(f"{url}/v1/stats").json()["router"]["counters"].get("requests", 0) == before
+
+
+def test_accelerations_through_http(client, url):
+    body = {"negative_prompt": "blurry", "true_cfg_scale": 3.0, "cfg_gate_step": 0.5, "enable_cache_dit": True,
+            "cache_dit_params": {"scm_preset": "fast", "scm_policy": "static"},
+            "attention_backend_override": "torch_math"}
+    meta = generate(client, seed=3, **body).model_extra["ditserve"]["acceleration"]
+    assert meta["cache_dit"]["active"] and meta["cache_dit"]["cached_steps"] > 0
+    assert meta["attention_backend"] == "torch_math" and meta["cfg_gate"]["reused_steps"] == 2
+    replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]
+    time_limit = 5
+    import time
+    deadline = time.monotonic() + time_limit
+    while time.monotonic() < deadline and not any(s.get("mounts") for s in replicas.values()):
+        time.sleep(0.2)
+        replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]
+    assert any(s.get("mounts", 0) >= 1 for s in replicas.values()), replicas

@@ -20,7 +20,8 @@ import torch
 
 TINY_FLUX = "tiny-flux"
 # Bump when the architecture or the build recipe changes: it names the cache directory.
-TINY_FLUX_VERSION = "v1"
+# v2: 2 double + 8 single blocks, so cache-dit's default Fn_compute_blocks=8 fits.
+TINY_FLUX_VERSION = "v2"
 
 # Words the tokenizers know whole; any other text falls back to single characters.
 WORDS = (
@@ -41,7 +42,7 @@ class TinyFluxArch:
     """
 
     num_layers: int = 2
-    num_single_layers: int = 4
+    num_single_layers: int = 8
     num_attention_heads: int = 4
     attention_head_dim: int = 16
     axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
