@@ -1,0 +1,113 @@
+"""Lossy accelerations on the embedded tiny-flux: denoise-time ratio and PSNR vs the exact output.
+
+Each row runs the accelerated batch and the exact batch alternately (same prompt, seed and
+size) and reports median denoise time ratio (exact / accelerated) and the PSNR of the
+accelerated PNG against the exact PNG. Also the cost in ms of a Cache-DiT refresh and of a
+remount at a batch boundary. With random weights the residuals change a lot from step to
+step, so cache-dit's *dynamic* policy rarely caches (see issue 8); static-policy rows
+show what the masks themselves cost in quality.
+
+    python bench/accel.py [--steps 28] [--size 128x128] [--iters 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from pipeline.accel import freeze_cache_dit_params  # noqa: E402
+from pipeline.cache_dit_state import CacheKey  # noqa: E402
+from pipeline.contract import ServingLimits, validate_image_request  # noqa: E402
+from pipeline.runner import Batch, BatchRunner  # noqa: E402
+from pipeline.sampling import resolve  # noqa: E402
+from pipeline.signature import BatchSignature  # noqa: E402
+
+
+def psnr(a: bytes, b: bytes) -> float:
+    x = np.asarray(Image.open(io.BytesIO(a)), dtype=np.float64)
+    y = np.asarray(Image.open(io.BytesIO(b)), dtype=np.float64)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--size", default="128x128")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ns = ap.parse_args()
+    torch.set_num_threads(ns.threads)
+
+    runner = BatchRunner("tiny-flux")
+    limits = ServingLimits("tiny-flux", runner.facts().spatial_factor, 64, 64, ns.steps, 3.5,
+                           max_pixels=1 << 22, num_blocks=runner.facts().num_blocks)
+
+    def batch(body: dict) -> Batch:
+        body = {"prompt": "a red circle on a blue background", "seed": 0, "size": ns.size,
+                "num_inference_steps": ns.steps, **body}
+        p = resolve(validate_image_request(body, limits), limits)
+        return Batch("bench", BatchSignature.of(p), (p,))
+
+    cfg = {"negative_prompt": "a blurry picture", "true_cfg_scale": 4.0}
+    rows = [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True})]
+    for preset in ("slow", "medium", "fast", "ultra"):
+        rows.append((f"SCM {preset} (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+            "scm_preset": preset}}))
+    for preset in ("slow", "medium", "fast", "ultra"):
+        rows.append((f"SCM {preset} (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+            "scm_preset": preset, "scm_policy": "static"}}))
+    rows.append(("SCM fast (static) + TaylorSeer", {}, {"enable_cache_dit": True, "cache_dit_params": {
+        "scm_preset": "fast", "scm_policy": "static", "enable_taylorseer": True, "taylorseer_order": 1}}))
+    rows.append(("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+        "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}}))
+    rows.append(("CFG gating 0.5 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.5}))
+
+    print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} threads, median of {ns.iters} alternated runs")
+    print(f"{'setting':34s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
+    for name, base, accel in rows:
+        exact_b, accel_b = batch(base), batch({**base, **accel})
+        exact_ms, accel_ms = [], []
+        for _ in range(ns.iters + 1):  # first round warms both paths
+            e = runner.run(exact_b)[0]
+            a = runner.run(accel_b)[0]
+            exact_ms.append(e.timings_ms["denoise"])
+            accel_ms.append(a.timings_ms["denoise"])
+        ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+        meta = a.acceleration
+        print(f"{name:34s} {ratio:6.2f}x {psnr(a.pngs[0], e.pngs[0]):8.1f} "
+              f"{meta['cache_dit']['cached_steps']:4d}/{ns.steps:<2d} {meta['cfg_gate']['reused_steps']:10d}")
+
+    # Cost of a state change at a batch boundary.
+    key_a = CacheKey(freeze_cache_dit_params({"scm_preset": "fast"}), False)
+    key_b = CacheKey(freeze_cache_dit_params({"scm_preset": "slow"}), False)
+    runner.cache.apply(key_a, ns.steps)
+    refresh, remount = [], []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        runner.cache.apply(key_a, ns.steps)
+        refresh.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        runner.cache.apply(key_b, ns.steps)
+        runner.cache.apply(key_a, ns.steps)
+        remount.append((time.perf_counter() - t0) * 1e3 / 2)
+    runner.cache.apply(None, ns.steps)
+    print(f"Cache-DiT refresh at a batch boundary: {statistics.median(refresh):.2f} ms (median of 10)")
+    print(f"Cache-DiT remount at a batch boundary: {statistics.median(remount):.2f} ms (median of 10)")
+
+
+if __name__ == "__main__":
+    main()
