@@ -120,11 +120,24 @@ def with_env_overrides(args: dict, environ=os.environ) -> dict:
 
 
 class ReplicaConfig(_Strict):
-    """The DiTReplica deployment's options (Ray Serve's names)."""
+    """The DiTReplica deployment's options (Ray Serve's names).
+
+    ``rank_resources``: one placement-group bundle per rank when ``world_size > 1``
+    (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 8}`` on GPU); rank 0 is the replica actor
+    in bundle 0, ranks 1..N-1 are actors in the other bundles (``STRICT_PACK``).
+    """
 
     num_replicas: int = Field(default=1, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     torch_threads: int | None = Field(default=None, ge=1)
+    rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
+
+
+class ParallelSettings(_Strict):
+    """Sequence parallelism of one replica: ``world_size = ulysses_degree × ring_degree``."""
+
+    ulysses_degree: int = Field(default=1, ge=1)
+    ring_degree: int = Field(default=1, ge=1)
 
 
 class AppConfig(_Strict):
@@ -135,3 +148,4 @@ class AppConfig(_Strict):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     acceleration: AccelerationConfig = Field(default_factory=AccelerationConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    parallel: ParallelSettings = Field(default_factory=ParallelSettings)

@@ -70,7 +70,8 @@ class Ingress:
                 default_guidance_scale=lim["default_guidance_scale"], max_n=lim["max_n"],
                 max_pixels=lim["max_pixels"], max_steps=lim["max_steps"],
                 max_prompt_chars=lim["max_prompt_chars"], guidance_embeds=facts.guidance_embeds,
-                num_blocks=facts.num_blocks, attention_rejections=facts.attention_rejections)
+                num_blocks=facts.num_blocks, attention_rejections=facts.attention_rejections,
+                world_size=facts.world_size)
         return self._limits
 
     # -- handle API ---------------------------------------------------------------------

@@ -8,11 +8,15 @@ import os
 import torch
 from ray import serve
 
+from ray.exceptions import RayActorError, RayTaskError
+
+from deployments.rank_worker import RankGroup, make_runner
+from parallel.config import ParallelConfig
 from pipeline.accel import freeze_cache_dit_params
-from pipeline.contract import ServingLimits, parse_size
-from pipeline.runner import Batch, BatchRunner, ModelFacts, RequestOutput
+from pipeline.contract import ImageGenerationRequest, ServingLimits, parse_size
+from pipeline.runner import Batch, ModelFacts, RequestOutput
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve
-from pipeline.contract import ImageGenerationRequest
+from pipeline.signature import BatchSignature
 
 # Fault injection for chaos tests and drills: a batch whose signature text contains this
 # substring fails inside the replica (as a real model error would).
@@ -40,24 +44,37 @@ class DiTReplica:
     """
 
     def __init__(self, model: dict, torch_threads: int | None = None, acceleration: dict | None = None,
-                 limits: dict | None = None):
+                 limits: dict | None = None, parallel: dict | None = None, rank_resources: dict | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         acceleration = acceleration or {}
-        self._runner = BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
-                                   torch_compile=acceleration.get("torch_compile", False),
-                                   compile_backend=acceleration.get("compile_backend", "inductor"))
-        if acceleration.get("torch_compile") or acceleration.get("warmup"):
-            self._runner.warmup(default_params(model["name"], acceleration, limits or {},
-                                               self._runner.facts().guidance_embeds))
+        self._runner = make_runner(model, acceleration)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._parallel = ParallelConfig(**(parallel or {}))
+        self._ranks = None
+        self._broken: str | None = None
+        if self._parallel.world_size > 1:
+            self._ranks = RankGroup(self._runner, model, acceleration, parallel, torch_threads,
+                                    rank_resources or {"CPU": 1}, name_prefix=f"ditserve-{self._replica_id}")
+        if acceleration.get("torch_compile") or acceleration.get("warmup"):
+            # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
+            head = default_params(model["name"], acceleration, limits or {}, self._runner.facts().guidance_embeds)
+            warmup = Batch("warmup", BatchSignature.of(head), (head,))
+            self._runner.run(warmup) if self._ranks is None else self._ranks.run_sync(warmup)
         self._lock = asyncio.Lock()
         self._state: str | None = None  # digest of the last batch's signature
         self._batches = 0
         self._state_changes = 0
 
     def facts(self) -> ModelFacts:
-        return self._runner.facts()
+        return self._runner.facts(ring_degree=self._parallel.ring_degree)
+
+    def check_health(self) -> None:
+        """Fails (so Serve replaces the whole replica) if a rank died or a batch broke the group."""
+        if self._broken:
+            raise RuntimeError(self._broken)
+        if self._ranks is not None:
+            self._ranks.check_alive()
 
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
@@ -73,14 +90,22 @@ class DiTReplica:
             fault = os.environ.get(FAULT_ENV)
             if fault and fault in str(batch.signature):
                 raise RuntimeError(f"injected fault for signature {batch.signature}")
-            outputs = await asyncio.to_thread(self._runner.run, batch)
+            if self._ranks is None:
+                outputs = await asyncio.to_thread(self._runner.run, batch)
+            else:
+                try:
+                    outputs = await self._ranks.run(batch)
+                except Exception as exc:
+                    if isinstance(exc, (RayActorError, RayTaskError)) or "Connection" in str(exc):
+                        self._broken = f"a rank failed during batch {batch.batch_id}: {type(exc).__name__}"
+                    raise
         for out in outputs:
             out.metadata = {
                 "batch_id": batch.batch_id,
                 "batch_size": batch.size,
                 "signature": str(batch.signature),
                 "replica": self._replica_id,
-                "world_size": 1,
+                "world_size": self._parallel.world_size,
                 "state_change": state_change,
             }
         return outputs

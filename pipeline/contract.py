@@ -42,6 +42,7 @@ class ServingLimits:
     guidance_embeds: bool = True
     num_blocks: int = 0  # transformer blocks cache-dit sees; 0: unknown (not checked)
     attention_rejections: dict = field(default_factory=dict)  # kernel -> reasons it cannot run here
+    world_size: int = 1  # sequence-parallel ranks: token counts must split evenly
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -135,6 +136,10 @@ class ImageGenerationRequest(BaseModel):
             if width * height > limits.max_pixels:
                 raise ValueError(
                     f"size {width}x{height} has {width * height} pixels; at most {limits.max_pixels} are allowed")
+            tokens = (width // f) * (height // f)
+            if limits.world_size > 1 and tokens % limits.world_size:
+                raise ValueError(f"size {width}x{height} gives {tokens} image tokens, which cannot be split "
+                                 f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
         return v
 
     @field_validator("response_format")

@@ -47,12 +47,14 @@ def _check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
 
 
 @torch.no_grad()
-def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_skipped=None) -> LoopOutput:
+def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_skipped=None,
+                  decode: bool = True) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` and decode it.
 
     ``on_step(i, num_steps)`` is called after each denoising step, ``on_uncond_skipped()``
-    each time CFG gating skips an unconditional forward. Raises ``ValueError`` if the batch
-    is empty or mixes signatures.
+    each time CFG gating skips an unconditional forward. ``decode=False`` (sequence-parallel
+    ranks other than 0) stops after denoising and returns no images. Raises ``ValueError``
+    if the batch is empty or mixes signatures.
     """
     head = _check_homogeneous(batch)
     t0 = time.perf_counter()
@@ -85,6 +87,8 @@ def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_s
         if on_step is not None:
             on_step(i + 1, len(timesteps))
     t1 = time.perf_counter()
+    if not decode:
+        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused)
     images = family.decode(latents, head.height, head.width)
     t2 = time.perf_counter()
     splits = np.cumsum([0, *counts])

@@ -65,6 +65,8 @@ class ModelFacts:
     guidance_embeds: bool
     num_blocks: int = 0
     attention_rejections: dict = field(default_factory=dict)
+    world_size: int = 1
+    text_tokens: int = 0
 
 
 def resolve_checkpoint(name: str, path: str | None) -> Path | str:
@@ -117,17 +119,20 @@ class BatchRunner:
         self.compiled: set[int] = set()
         self.events: list[tuple] = []  # (what, detail) in order: mounts and compiles, for audits
         self.compiles = 0
+        self.rank, self.world_size = 0, 1
 
-    def facts(self) -> ModelFacts:
+    def facts(self, ring_degree: int = 1) -> ModelFacts:
         device, dtype = self.family.device, self.family.dtype
         layers = len(self.attention.layers)
         t = self.family.transformer
         blocks = sum(len(getattr(t, a, ())) for a in ("transformer_blocks", "single_transformer_blocks", "blocks"))
         rejections = {name: kernel_rejections(name, device=torch.device(device), dtype=dtype,
-                                              torch_compile=self.torch_compile, num_layers=layers)
+                                              torch_compile=self.torch_compile, num_layers=layers,
+                                              ring_degree=ring_degree)
                       for name in KERNELS}
         return ModelFacts(self.family_name, self.family.spatial_factor, self.family.guidance_embeds, blocks,
-                          {k: v for k, v in rejections.items() if v})
+                          {k: v for k, v in rejections.items() if v}, self.world_size,
+                          self.family.sequence_lengths(0, 0)["text tokens"])
 
     def counters(self) -> dict:
         return {**self.cache.counters, "compiles": self.compiles, "attention_switches": self.attention.switches}
@@ -158,21 +163,40 @@ class BatchRunner:
         it is the default) before torch.compile traces the path real requests take."""
         self.run(Batch("warmup", BatchSignature.of(head), (head,)))
 
-    def run(self, batch: Batch, on_step=None) -> list[RequestOutput]:
-        """Move the acceleration state to the batch's signature, denoise and decode.
+    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
+        """Make this runner one rank of a sequence-parallel replica (after joining the group).
+        Raises ``ValueError`` when the layout cannot serve this model."""
+        problems = config.startup_problems(num_heads=self.family.num_attention_heads)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.rank = rank
+        self.world_size = config.world_size
+        self.family.enable_sequence_parallel(config, mesh, rank)
+        self.attention = AttentionSwitch(list(self.family.transformers.values()), default=self.attention.default)
 
-        One RequestOutput per request, in batch order. Raises whatever the model or
-        cache-dit raises, after leaving Cache-DiT unmounted; the caller answers every
-        request of the batch.
+    def denoise(self, batch: Batch, on_step=None):
+        """Move the acceleration state to the batch's signature and run the loop.
+
+        Returns ``(LoopOutput, transition)``; images (float32, (n, H, W, 3) per request) only
+        on rank 0. Raises whatever the model or cache-dit raises, after leaving Cache-DiT
+        unmounted.
         """
-        head = batch.requests[0]
-        transition = self._prepare_state(head)
+        transition = self._prepare_state(batch.requests[0])
         try:
             out = denoise_batch(self.family, list(batch.requests), on_step=on_step,
-                                on_uncond_skipped=self.cache.skip_uncond_slot)
+                                on_uncond_skipped=self.cache.skip_uncond_slot, decode=self.rank == 0)
         except Exception:
             self.cache.reset()
             raise
+        return out, transition
+
+    def run(self, batch: Batch, on_step=None) -> list[RequestOutput]:
+        """``denoise`` then PNG-encode: one RequestOutput per request, in batch order (none
+        on ranks other than 0). The caller answers every request of a failed batch."""
+        head = batch.requests[0]
+        out, transition = self.denoise(batch, on_step)
+        if self.rank != 0:
+            return []
         cached = self.cache.cached_steps()
         t0 = time.perf_counter()
         pngs = [[encode_png(img) for img in images] for images in out.images]

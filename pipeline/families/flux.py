@@ -71,6 +71,21 @@ class FluxFamily:
     def transformers(self) -> dict[str, torch.nn.Module]:
         return {"transformer": self.transformer}
 
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.transformer.config.num_attention_heads)
+
+    def sequence_lengths(self, width: int, height: int) -> dict[str, int]:
+        """Tokens per sample the transformer sees: packed image patches and T5 text tokens."""
+        return {"image tokens": (height // self.spatial_factor) * (width // self.spatial_factor),
+                "text tokens": self.max_sequence_length}
+
+    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
+        """Shard the transformer's sequence across the replica's ranks (``parallel.flux``)."""
+        from parallel.flux import enable_sequence_parallel
+
+        enable_sequence_parallel(self.transformer, config, mesh, rank)
+
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> FluxConditioning:

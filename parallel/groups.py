@@ -1,0 +1,42 @@
+"""Joining the ranks of one replica: torch.distributed, yunchang's groups, a device mesh."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from parallel.config import ParallelConfig
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this node, for the rendezvous chosen by rank 0."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, device: str,
+         timeout_s: float = 300.0):
+    """Join the replica's process group (NCCL on CUDA, gloo on CPU), set yunchang's
+    Ulysses/ring groups and return a ``(ring, ulysses)`` DeviceMesh for diffusers' sharding
+    hooks. Blocks until all ``world_size`` ranks have joined (raises after ``timeout_s``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from yunchang import set_seq_parallel_pg
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=config.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    set_seq_parallel_pg(config.ulysses_degree, config.ring_degree, rank, config.world_size)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    return init_device_mesh(device_type, (config.ring_degree, config.ulysses_degree),
+                            mesh_dim_names=("ring", "ulysses"))
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
