@@ -47,6 +47,14 @@ class RankWorker:
     def denoise(self, batch: Batch):
         return self.runner.denoise(batch)
 
+    def cache_stats(self) -> dict:
+        """This rank's cache-dit record of the last batch: cached steps and residual diffs."""
+        import cache_dit
+
+        stats = cache_dit.summary(self.runner.family.transformer, logging=False) or []
+        return {"cached_steps": list(stats[0].cached_steps) if stats else [],
+                "residual_diffs": dict(stats[0].residual_diffs) if stats else {}}
+
     def ping(self) -> bool:
         return True
 

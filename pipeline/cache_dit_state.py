@@ -106,6 +106,9 @@ class CacheDiTExecutor:
     """
 
     def __init__(self, transformer: torch.nn.Module):
+        from parallel.flux import sequence_split_suspended
+
+        self._suspend_split = sequence_split_suspended  # cache-dit rewrites forward: keep SP hooks outermost
         self.transformer = transformer
         self.active: CacheKey | None = None
         self.counters = {"mounts": 0, "refreshes": 0, "unmounts": 0, "remounts": 0, "mount_failures": 0}
@@ -116,9 +119,15 @@ class CacheDiTExecutor:
         Raises ``ValueError`` / cache-dit's errors on a failed mount or refresh, after
         unmounting.
         """
+        transition = cache_transition(self.active, wanted)
+        if transition in (MOUNT, UNMOUNT, REMOUNT):
+            with self._suspend_split(self.transformer):
+                return self._apply(transition, wanted, num_inference_steps)
+        return self._apply(transition, wanted, num_inference_steps)
+
+    def _apply(self, transition: str, wanted: CacheKey | None, num_inference_steps: int) -> str:
         import cache_dit
 
-        transition = cache_transition(self.active, wanted)
         try:
             if transition in (UNMOUNT, REMOUNT):
                 self._unmount()
@@ -136,7 +145,10 @@ class CacheDiTExecutor:
         except Exception:
             if transition in (MOUNT, REMOUNT):
                 self.counters["mount_failures"] += 1
-            self.reset()
+            if transition == REFRESH:
+                self.reset()
+            else:  # already inside sequence_split_suspended
+                self._remove_hooks()
             raise
         key = {MOUNT: "mounts", REFRESH: "refreshes", UNMOUNT: "unmounts", REMOUNT: "remounts"}.get(transition)
         if key:
@@ -152,10 +164,15 @@ class CacheDiTExecutor:
     def reset(self) -> None:
         """Remove any hooks (after a failure), leaving the exact forward path."""
         if self.active is not None or hasattr(self.transformer, "_context_manager"):
-            try:
-                self._unmount()
-            except Exception:  # nothing mounted after all
-                pass
+            with self._suspend_split(self.transformer):
+                self._remove_hooks()
+        self.active = None
+
+    def _remove_hooks(self) -> None:
+        try:
+            self._unmount()
+        except Exception:  # nothing mounted after all
+            pass
         self.active = None
 
     def cached_steps(self) -> int:
