@@ -53,13 +53,14 @@ def test_transition_table(active, wanted, expected):
 
 
 def test_resolution_rules_feed_the_table():
+    def wanted(body, defaults=AccelerationDefaults()):
+        return resolve(validate_image_request({"prompt": "a", **body}, LIMITS), LIMITS, defaults).enable_cache_dit
+
     on = AccelerationDefaults(enable_cache_dit=True)
-    req = lambda **kw: resolve(validate_image_request({"prompt": "a", **kw}, LIMITS), LIMITS,  # noqa: E731
-                               kw.pop("_d", AccelerationDefaults()))
-    assert req(enable_cache_dit=True).enable_cache_dit
-    assert not resolve(validate_image_request({"prompt": "a", "enable_cache_dit": False}, LIMITS), LIMITS,
-                       on).enable_cache_dit  # False beats a default of on
-    assert not req().enable_cache_dit  # None follows a default of off: after True, this unmounts
+    assert wanted({"enable_cache_dit": True})
+    assert not wanted({"enable_cache_dit": False}, on)  # False beats a default of on
+    assert not wanted({})  # None follows a default of off: after True, this unmounts
+    assert wanted({}, on)
 
 
 def test_secondary_inherits_primary_knobs_and_scm_masks_reach_cache_dit():

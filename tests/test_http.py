@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -184,9 +185,7 @@ def test_accelerations_through_http(client, url):
     assert meta["cache_dit"]["active"] and meta["cache_dit"]["cached_steps"] > 0
     assert meta["attention_backend"] == "torch_math" and meta["cfg_gate"]["reused_steps"] == 2
     replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]
-    time_limit = 5
-    import time
-    deadline = time.monotonic() + time_limit
+    deadline = time.monotonic() + 5  # replicas report their counters every routing_stats_period_s
     while time.monotonic() < deadline and not any(s.get("mounts") for s in replicas.values()):
         time.sleep(0.2)
         replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]

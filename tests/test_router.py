@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +11,7 @@ import pytest
 from ray import serve
 
 from deployments.replica import FAULT_ENV
-from pipeline.errors import InternalError, OverloadedError, RequestTimeoutError, ServiceUnavailableError
+from pipeline.errors import InternalError, RequestTimeoutError, ServiceUnavailableError
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +87,6 @@ def test_starved_queue_is_served_within_its_bound(url):
         fast = post(url, {"prompt": "fast", "seed": 2, **FAST}).json()["ditserve"]  # the other replica
         slow_replica = next(rid for rid, s in stats(url)["replicas"].items() if rid != fast["replica"])
         # Same signature as the running slow batch: it waits for that replica, then starves over.
-        started = time.monotonic()
         waiting = post(url, {"prompt": "slow too", "seed": 3, **SLOW}, timeout=300)
         assert waiting.status_code == 200
         meta = waiting.json()["ditserve"]
@@ -96,7 +94,6 @@ def test_starved_queue_is_served_within_its_bound(url):
     assert meta["timings_ms"]["queue"] >= 400 * 0.9
     assert meta["replica"] != slow_replica  # served by the free replica, not after the busy one
     assert stats(url)["counters"].get("routing_starvation", 0) >= 1
-    assert time.monotonic() - started > 0
 
 
 def test_overflow_is_429_without_touching_replicas(deploy):
