@@ -1,0 +1,123 @@
+"""Generate KubeRay ``RayService`` manifests from the Serve configs in ``configs/``.
+
+Each manifest embeds its config file verbatim as ``spec.serveConfigV2`` (a test regenerates
+them and fails on drift). GPU configs get a CPU-only head (``num-gpus: "0"``) and a GPU
+worker group whose pods' ``nvidia.com/gpu`` limit equals one replica's placement-group
+bundles; the model checkpoint comes from a PersistentVolumeClaim mounted at ``/models``.
+
+    python k8s/generate.py          # rewrites k8s/*.rayservice.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY_VERSION = "2.60.0"
+IMAGE = "ditserve:0.1.0"  # build from the repository (see k8s/README.md)
+MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, worker replicas)
+    "tiny-cpu-cluster.yaml": ("ditserve-tiny-cpu", 0, 1),
+    "flux-dev-1gpu.yaml": ("ditserve-flux-dev-1gpu", 1, 1),
+    "flux-dev-4gpu.yaml": ("ditserve-flux-dev-4gpu", 4, 1),
+}
+
+
+def gpus_per_replica(args: dict) -> int:
+    """GPUs one DiTReplica holds: one per rank with sequence parallelism, else its actor's num_gpus."""
+    parallel = args.get("parallel", {})
+    world = parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
+    replica = args.get("replica", {})
+    if world > 1:
+        return int(world * replica.get("rank_resources", {}).get("GPU", 0))
+    return int(replica.get("ray_actor_options", {}).get("num_gpus", 0))
+
+
+def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool) -> dict:
+    limits = {"cpu": cpu, "memory": memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+        container_mounts = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    else:
+        container_mounts = []
+    container = {
+        "name": name, "image": IMAGE,
+        "resources": {"limits": limits, "requests": {"cpu": cpu, "memory": memory}},
+        **({"volumeMounts": container_mounts} if container_mounts else {}),
+        "env": [{"name": "DITSERVE_CACHE_DIR", "value": "/tmp/ditserve"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
+    }
+    if probes:
+        container["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
+                              {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
+    return container
+
+
+def manifest(config_file: str) -> dict:
+    name, gpus, workers = MANIFESTS[config_file]
+    text = (ROOT / "configs" / config_file).read_text()
+    volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "ditserve-models"}}] if gpus else []
+    head = _container("ray-head", 0, "4", "16Gi", probes=True)
+    if gpus:
+        head["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 10,
+                              "failureThreshold": 6}
+    head["livenessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "initialDelaySeconds": 120,
+                             "periodSeconds": 30, "failureThreshold": 5}
+    worker = _container("ray-worker", gpus, "32" if gpus else "4", "128Gi" if gpus else "16Gi", probes=False)
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "ditserve"}},
+        "spec": {
+            "serveConfigV2": text,
+            "upgradeStrategy": {"type": "NewCluster"},
+            "serviceUnhealthySecondThreshold": 900,
+            "deploymentUnhealthySecondThreshold": 900,
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "headGroupSpec": {
+                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
+                    "template": {"spec": {"containers": [head], **({"volumes": volumes} if volumes else {})}},
+                },
+                "workerGroupSpecs": [{
+                    "groupName": "gpu-workers" if gpus else "cpu-workers",
+                    "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
+                    "rayStartParams": {},
+                    "template": {"spec": {"containers": [worker], **({"volumes": volumes} if volumes else {}),
+                                          **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                               "effect": "NoSchedule"}]} if gpus else {})}},
+                }],
+            },
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper, value: str):
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def render(config_file: str) -> str:
+    header = f"# Generated by k8s/generate.py from configs/{config_file}; edit the config, then regenerate.\n"
+    return header + yaml.dump(manifest(config_file), Dumper=_Dumper, sort_keys=False, width=120)
+
+
+def main() -> int:
+    for config_file, (name, _, _) in MANIFESTS.items():
+        out = ROOT / "k8s" / f"{config_file.removesuffix('.yaml')}.rayservice.yaml"
+        out.write_text(render(config_file))
+        print(f"wrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
