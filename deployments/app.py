@@ -32,8 +32,17 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         options["placement_group_strategy"] = "STRICT_PACK"
         options["ray_actor_options"] = {**config.replica.ray_actor_options, "num_cpus": bundle.get("CPU", 0),
                                         "num_gpus": bundle.get("GPU", 0)}
-    replica = DiTReplica.options(**options).bind(
-        config.model.model_dump(), config.replica.torch_threads, config.acceleration.model_dump(),
-        config.limits.model_dump(), config.parallel.model_dump(), config.replica.rank_resources)
-    router = Router.bind(replica, batching.model_dump(), config.replica.num_replicas)
-    return Ingress.bind(router, config.model_dump())
+    acceleration = config.acceleration.model_dump()
+    if not (acceleration["torch_compile"] or acceleration["warmup"]):
+        # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.
+        acceleration = {k: acceleration[k] for k in ("attention_backend", "torch_compile", "compile_backend",
+                                                     "warmup")}
+    replica_args = (config.model.model_dump(), config.replica.torch_threads, acceleration,
+                    config.limits.model_dump(), config.parallel.model_dump(), config.replica.rank_resources)
+    replica = DiTReplica.options(**options).bind(*replica_args)
+    # Batching knobs and acceleration defaults are Serve user_configs: when a Serve config file
+    # (serve deploy, RayService) changes only them, Serve reconfigures the running Router /
+    # Ingress replicas instead of restarting them, and leaves the DiTReplicas alone.
+    ingress_config = config.model_dump(exclude={"acceleration", "batching"})
+    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.num_replicas)
+    return Ingress.options(user_config=config.acceleration.model_dump()).bind(router, ingress_config)

@@ -47,7 +47,11 @@ class Ingress:
         self._router = router
         self._config = config
         self._limits: ServingLimits | None = None
-        acc = config["acceleration"]
+        self._defaults = AccelerationDefaults()
+
+    def reconfigure(self, acceleration: dict) -> None:
+        """Serve's ``user_config`` hook: new acceleration defaults apply to the next request."""
+        acc = acceleration
         self._defaults = AccelerationDefaults(
             enable_cache_dit=acc["enable_cache_dit"],
             cache_dit_params=freeze_cache_dit_params(acc["cache_dit_params"]),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from deployments.config import BatchingConfig
 from deployments.request_router import router_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, RequestTimeoutError,
@@ -52,14 +53,15 @@ class _Pending:
 class Router:
     """Queues, batch formation and replica choice for one DiTReplica deployment.
 
-    ``batching``: ``deployments.config.BatchingConfig`` as a dict. ``capacity``: batches
-    that may run at once while the replica set is not yet known (one per replica).
+    The batching knobs (``deployments.config.BatchingConfig``) arrive as Serve's
+    ``user_config`` through :meth:`reconfigure`, so they change without a restart.
+    ``capacity``: batches that may run at once while the replica set is not yet known.
     """
 
-    def __init__(self, replica, batching: dict, capacity: int):
+    def __init__(self, replica, capacity: int):
         self._replica = replica
         self._capacity = capacity
-        self.reconfigure_batching(batching)
+        self.reconfigure_batching(BatchingConfig().model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._inflight = 0
@@ -80,6 +82,11 @@ class Router:
                                        tag_keys=("decision",))
         self._metric_rejections = Counter("ditserve_rejections", "Requests answered with an error, by reason",
                                           tag_keys=("reason",))
+
+    def reconfigure(self, batching: dict) -> None:
+        """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed."""
+        self.reconfigure_batching(BatchingConfig.model_validate(batching).model_dump())
+        self._wakeup.set()
 
     def reconfigure_batching(self, batching: dict) -> None:
         self._max_batch_size = int(batching["max_batch_size"])
@@ -244,6 +251,8 @@ class Router:
     def stats(self) -> dict:
         router = router_for(self._replica.app_name, self._replica.deployment_name)
         return {
+            "router_replica": serve.get_replica_context().replica_id.unique_id,
+            "max_batch_size": self._max_batch_size,
             "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
             "queued": self._queued,
             "inflight_batches": self._inflight,

@@ -171,3 +171,44 @@ def test_shutdown_answers_every_queued_request(deploy):
             assert not isinstance(exc, TimeoutError), "a request got no answer"
         answered += 1
     assert answered == 6
+
+
+def _deploy_config(args: dict, router_user_config: dict) -> None:
+    """Deploy as a Serve config file is deployed (serve deploy / serve run FILE / RayService),
+    with the Router's batching knobs in the file's ``deployments`` section."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate({"applications": [
+        {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
+         "deployments": [{"name": "Router", "user_config": router_user_config}]}]})
+    _get_global_client().deploy_apps(config, _blocking=True)
+    wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
+
+
+def test_user_config_changes_batching_without_a_restart(deploy):
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
+    small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
+    url = deploy(small, fresh=True)
+    serve.delete("ditserve")
+    _deploy_config(one, small["batching"])
+    before = stats(url)
+    assert before["max_batch_size"] == 1
+    with ThreadPoolExecutor(6) as pool:
+        sizes = [r.json()["ditserve"]["batch_size"]
+                 for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
+    assert max(sizes) == 1
+    replicas_before = set(stats(url)["replicas"])
+    _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
+    wait_until(lambda: stats(url)["max_batch_size"] == 8, timeout=60)
+    after = stats(url)
+    assert after["router_replica"] == before["router_replica"] and after["max_batch_size"] == 8
+    with ThreadPoolExecutor(8) as pool:
+        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
+        wait_until(lambda: stats(url)["inflight_batches"] == 1)
+        metas = [r.json()["ditserve"] for r in pool.map(lambda i: post(url, {"prompt": f"q{i}", "seed": i, **FAST}),
+                                                          range(6))]
+        busy.result()
+    assert max(m["batch_size"] for m in metas) > 1
+    assert {m["replica"] for m in metas} <= replicas_before  # the DiTReplica was not restarted either
+    serve.delete("ditserve")  # the next test deploys afresh
