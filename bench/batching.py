@@ -27,7 +27,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.cli import _free_port  # noqa: E402
+from parallel.groups import free_port  # noqa: E402
 
 
 def app_args(max_batch_size: int, replicas: int, threads: int, affinity: bool = True) -> dict:
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ns = ap.parse_args()
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     ray.init(num_cpus=16, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from deployments.cli import _free_port, start_app, stop_app  # noqa: E402
+from deployments.cli import start_app, stop_app  # noqa: E402
+from parallel.groups import free_port  # noqa: E402
 from pipeline.contract import parse_size  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def main() -> None:
 
     torch.set_num_threads(ns.threads)
     args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads}}
-    url = start_app(args, host="127.0.0.1", port=_free_port(), num_cpus=4)
+    url = start_app(args, host="127.0.0.1", port=free_port("127.0.0.1"), num_cpus=4)
     try:
         from pipeline.contract import ServingLimits, validate_image_request
         from pipeline.runner import Batch, BatchRunner

@@ -6,21 +6,16 @@ import argparse
 import base64
 import json
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
 
 import yaml
 
+from parallel.groups import free_port
+
 APP_NAME = "ditserve"
 DEMO_PROMPT = "a red circle on a blue background"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_serve_config(path: str | Path) -> dict:
@@ -115,7 +110,7 @@ def _cmd_generate(ns) -> int:
 
 
 def _cmd_demo(ns) -> int:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     print("starting Ray Serve with the embedded tiny-flux model ...", flush=True)
     url = start_app({}, host="127.0.0.1", port=port, num_cpus=4)
     try:

@@ -7,17 +7,12 @@ a free loopback port.
 from __future__ import annotations
 
 import os
-import socket
 
 os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # before cache_dit is imported anywhere
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel.groups import free_port
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +21,7 @@ def ray_cluster():
     from ray import serve
 
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
-    port = free_port()
+    port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield {"url": f"http://127.0.0.1:{port}", "gcs_address": ray.get_runtime_context().gcs_address}
     serve.shutdown()
