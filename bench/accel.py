@@ -94,17 +94,17 @@ def main() -> None:
     # Cost of a state change at a batch boundary.
     key_a = CacheKey(freeze_cache_dit_params({"scm_preset": "fast"}), False)
     key_b = CacheKey(freeze_cache_dit_params({"scm_preset": "slow"}), False)
-    runner.cache.apply(key_a, ns.steps)
+    runner.cache.primary.apply(key_a, ns.steps)
     refresh, remount = [], []
     for _ in range(10):
         t0 = time.perf_counter()
-        runner.cache.apply(key_a, ns.steps)
+        runner.cache.primary.apply(key_a, ns.steps)
         refresh.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
-        runner.cache.apply(key_b, ns.steps)
-        runner.cache.apply(key_a, ns.steps)
+        runner.cache.primary.apply(key_b, ns.steps)
+        runner.cache.primary.apply(key_a, ns.steps)
         remount.append((time.perf_counter() - t0) * 1e3 / 2)
-    runner.cache.apply(None, ns.steps)
+    runner.cache.primary.apply(None, ns.steps)
     print(f"Cache-DiT refresh at a batch boundary: {statistics.median(refresh):.2f} ms (median of 10)")
     print(f"Cache-DiT remount at a batch boundary: {statistics.median(remount):.2f} ms (median of 10)")
 

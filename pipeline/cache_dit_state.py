@@ -37,37 +37,55 @@ def cache_transition(active: CacheKey | None, wanted: CacheKey | None) -> str:
     return REFRESH if active == wanted else REMOUNT
 
 
-def build_cache_config(overrides: tuple, num_inference_steps: int, separate_cfg: bool):
-    """cache-dit configs for one batch: ``(DBCacheConfig, TaylorSeerCalibratorConfig | None)``.
+def build_cache_config(overrides: tuple, num_inference_steps: int, separate_cfg: bool,
+                       run_steps: list[int] | None = None):
+    """cache-dit configs for one transformer in one batch: ``(DBCacheConfig, TaylorSeerCalibratorConfig | None)``.
 
+    ``overrides``: the frozen knobs (``secondary`` ignored: see :func:`transformer_overrides`).
+    ``run_steps``: the indices (of ``num_inference_steps``) at which this transformer runs,
+    e.g. one expert's side of a boundary; None: all. The step-computation mask (an SCM
+    preset or explicit bins) is made for the whole schedule, then sliced to ``run_steps``
+    with the slice's first step computed (an expert's context starts empty).
     Raises ``ValueError`` if explicit SCM bins do not cover ``num_inference_steps``.
     """
     import cache_dit
     from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
 
     knobs = {k: v for k, v in overrides if k != "secondary"}
-    config = {"num_inference_steps": num_inference_steps, "enable_separate_cfg": separate_cfg}
+    run_steps = list(range(num_inference_steps)) if run_steps is None else list(run_steps)
+    config = {"num_inference_steps": len(run_steps), "enable_separate_cfg": separate_cfg}
     for name in ("Fn_compute_blocks", "Bn_compute_blocks", "max_warmup_steps", "residual_diff_threshold",
                  "max_continuous_cached_steps"):
         if name in knobs:
             config[name] = knobs[name]
     preset = knobs.get("scm_preset")
+    mask = None
     if "scm_compute_bins" in knobs:
         compute, cache = list(knobs["scm_compute_bins"]), list(knobs["scm_cache_bins"])
         if sum(compute) + sum(cache) < num_inference_steps:
             raise ValueError(f"cache_dit_params: scm_compute_bins + scm_cache_bins cover {sum(compute) + sum(cache)}"
                              f" steps, fewer than num_inference_steps={num_inference_steps}")
-        config["steps_computation_mask"] = cache_dit.steps_mask(compute_bins=compute, cache_bins=cache,
-                                                                total_steps=num_inference_steps)
+        mask = cache_dit.steps_mask(compute_bins=compute, cache_bins=cache, total_steps=num_inference_steps)
     elif preset not in (None, "none"):
-        config["steps_computation_mask"] = cache_dit.steps_mask(total_steps=num_inference_steps,
-                                                                mask_policy=preset)
-    if "steps_computation_mask" in config:
+        mask = cache_dit.steps_mask(total_steps=num_inference_steps, mask_policy=preset)
+    if mask is not None:
+        part = [mask[i] for i in run_steps]
+        config["steps_computation_mask"] = [1, *part[1:]] if part else part
         config["steps_computation_policy"] = knobs.get("scm_policy", "dynamic")
     calibrator = None
     if knobs.get("enable_taylorseer"):
         calibrator = TaylorSeerCalibratorConfig(taylorseer_order=knobs.get("taylorseer_order", 1))
     return DBCacheConfig(**config), calibrator
+
+
+def transformer_overrides(overrides: tuple, name: str) -> tuple:
+    """The knobs of transformer ``name``: the request's for ``transformer``; for
+    ``transformer_2`` the request's ``secondary`` knobs over the primary's (inheritance:
+    a knob the secondary does not set is the primary's, SCM settings included)."""
+    knobs = {k: v for k, v in overrides if k != "secondary"}
+    if name != "transformer":
+        knobs.update(dict(dict(overrides).get("secondary", ())))
+    return tuple(sorted(knobs.items()))
 
 
 # Transformer classes cache-dit has no adapter for: blocks attributes and forward patterns.
@@ -113,8 +131,9 @@ class CacheDiTExecutor:
         self.active: CacheKey | None = None
         self.counters = {"mounts": 0, "refreshes": 0, "unmounts": 0, "remounts": 0, "mount_failures": 0}
 
-    def apply(self, wanted: CacheKey | None, num_inference_steps: int) -> str:
-        """Move to ``wanted`` for a batch of ``num_inference_steps``; return the transition.
+    def apply(self, wanted: CacheKey | None, num_inference_steps: int, run_steps: list[int] | None = None) -> str:
+        """Move to ``wanted`` for a batch of ``num_inference_steps`` of which this transformer
+        runs ``run_steps`` (None: all); return the transition.
 
         Raises ``ValueError`` / cache-dit's errors on a failed mount or refresh, after
         unmounting.
@@ -122,22 +141,24 @@ class CacheDiTExecutor:
         transition = cache_transition(self.active, wanted)
         if transition in (MOUNT, UNMOUNT, REMOUNT):
             with self._suspend_split(self.transformer):
-                return self._apply(transition, wanted, num_inference_steps)
-        return self._apply(transition, wanted, num_inference_steps)
+                return self._apply(transition, wanted, num_inference_steps, run_steps)
+        return self._apply(transition, wanted, num_inference_steps, run_steps)
 
-    def _apply(self, transition: str, wanted: CacheKey | None, num_inference_steps: int) -> str:
+    def _apply(self, transition: str, wanted: CacheKey | None, num_inference_steps: int, run_steps) -> str:
         import cache_dit
 
         try:
             if transition in (UNMOUNT, REMOUNT):
                 self._unmount()
             if transition in (MOUNT, REMOUNT):
-                config, calibrator = build_cache_config(wanted.overrides, num_inference_steps, wanted.separate_cfg)
+                config, calibrator = build_cache_config(wanted.overrides, num_inference_steps, wanted.separate_cfg,
+                                                        run_steps)
                 self.active = wanted  # before enable_cache: a failure below must be undone
                 cache_dit.enable_cache(_cache_target(self.transformer, wanted.separate_cfg),
                                        cache_config=config, calibrator_config=calibrator)
             elif transition == REFRESH:
-                config, calibrator = build_cache_config(wanted.overrides, num_inference_steps, wanted.separate_cfg)
+                config, calibrator = build_cache_config(wanted.overrides, num_inference_steps, wanted.separate_cfg,
+                                                        run_steps)
                 kwargs = {"cache_config": config}
                 if calibrator is not None:
                     kwargs["calibrator_config"] = calibrator
@@ -192,3 +213,67 @@ class CacheDiTExecutor:
             return
         for context in manager._cached_context_manager.values():
             context.mark_step_begin()
+
+
+class CacheDiTState:
+    """The Cache-DiT state of every transformer of one rank: one executor (own context,
+    own key) per transformer, moved together at a batch boundary.
+
+    For dual-transformer models the secondary's knobs inherit from the primary's
+    (:func:`transformer_overrides`) and each transformer's context is sized and masked for
+    the steps it runs in the batch; a transformer that runs no step keeps its state.
+    """
+
+    def __init__(self, transformers: dict[str, torch.nn.Module]):
+        self.executors = {name: CacheDiTExecutor(module) for name, module in transformers.items()}
+        self.last_transitions: dict[str, str] = {}
+
+    @property
+    def primary(self) -> CacheDiTExecutor:
+        return self.executors["transformer"]
+
+    @property
+    def active(self) -> CacheKey | None:
+        """The primary transformer's key (what the request asked for)."""
+        return self.primary.active
+
+    @property
+    def counters(self) -> dict:
+        total: dict = {}
+        for executor in self.executors.values():
+            for key, value in executor.counters.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def apply(self, overrides: tuple | None, num_inference_steps: int, run_steps: dict[str, list[int]],
+              separate_cfg: dict[str, bool]) -> str:
+        """Move every transformer that runs in this batch to its key (``overrides`` None:
+        Cache-DiT off). Returns the primary's transition (or the first that is not
+        ``none``). On any failure every transformer is left unmounted and the error raised.
+        """
+        transitions = {}
+        try:
+            for name, executor in self.executors.items():
+                steps = run_steps.get(name)
+                if not steps:
+                    continue
+                wanted = None if overrides is None else CacheKey(transformer_overrides(overrides, name),
+                                                                 separate_cfg.get(name, False))
+                transitions[name] = executor.apply(wanted, num_inference_steps, steps)
+        except Exception:
+            self.reset()
+            raise
+        self.last_transitions = transitions
+        main = transitions.get("transformer", NONE)
+        return main if main != NONE else next((t for t in transitions.values() if t != NONE), NONE)
+
+    def reset(self) -> None:
+        for executor in self.executors.values():
+            executor.reset()
+
+    def cached_steps(self) -> dict[str, int]:
+        """Per transformer: steps of the last batch served from cache (0 when unmounted)."""
+        return {name: executor.cached_steps() for name, executor in self.executors.items()}
+
+    def skip_uncond_slot(self, name: str = "transformer") -> None:
+        self.executors[name].skip_uncond_slot()

@@ -1,9 +1,10 @@
-"""Contracts at the edges: the image request and response models (HTTP body and handle).
+"""Contracts at the edges: the image and video request and response models (HTTP body and handle).
 
-The request follows OpenAI's ``POST /v1/images/generations`` (``prompt``, ``model``, ``n``,
-``size``, ``response_format``) plus ditserve's extensions. The OpenAI SDK merges
-``extra_body`` into the top level; a literal nested ``extra_body`` object is merged too.
-Unknown top-level fields are rejected so a typo never passes silently.
+The image request follows OpenAI's ``POST /v1/images/generations`` (``prompt``, ``model``,
+``n``, ``size``, ``response_format``), the video request OpenAI's ``POST /v1/videos``
+(``prompt``, ``model``, ``size``, ``seconds``), both plus ditserve's extensions. The OpenAI
+SDK merges ``extra_body`` into the top level; a literal nested ``extra_body`` object is
+merged too. Unknown top-level fields are rejected so a typo never passes silently.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ class ServingLimits:
     num_blocks: int = 0  # transformer blocks cache-dit sees; 0: unknown (not checked)
     attention_rejections: dict = field(default_factory=dict)  # kernel -> reasons it cannot run here
     world_size: int = 1  # sequence-parallel ranks: token counts must split evenly
+    cfg_style: str = "true_cfg"  # "true_cfg" (FLUX), "cfg" (Wan: guidance_scale > 1), "paired"
+    dual_mode: str | None = None  # None, "boundary" (Wan 2.2 experts) or "paired"
+    temporal_factor: int = 0  # video models: num_frames = k · temporal_factor + 1; 0: images only
+    default_num_frames: int = 1
+    default_fps: int = 16
+    max_frames: int = 1
+    default_boundary_ratio: float | None = None
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -57,25 +65,18 @@ def _limits(info: ValidationInfo) -> ServingLimits | None:
     return (info.context or {}).get("limits")
 
 
-class ImageGenerationRequest(BaseModel):
-    """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
-
-    Validate with :func:`validate_image_request`, which applies the served model's limits
-    and reports every problem in one :class:`InvalidRequestError`.
-    """
+class _GenerationRequest(BaseModel):
+    """Fields and checks shared by image and video requests."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt: str
     model: str | None = None
-    n: int = 1
     size: str | None = None
-    response_format: str = "b64_json"
     user: str | None = None
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = Field(default=None, allow_inf_nan=False)
-    true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     enable_cache_dit: bool | None = None
     cache_dit_params: dict[str, Any] | None = None
@@ -111,15 +112,9 @@ class ImageGenerationRequest(BaseModel):
         limits = _limits(info)
         if v is not None and limits and len(v) > limits.max_prompt_chars:
             raise ValueError(f"negative_prompt has {len(v)} characters; at most {limits.max_prompt_chars} are allowed")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int, info: ValidationInfo) -> int:
-        limits = _limits(info)
-        top = limits.max_n if limits else None
-        if v < 1 or (top is not None and v > top):
-            raise ValueError(f"n must be between 1 and {top}, got {v}")
+        if v is not None and limits and limits.cfg_style == "paired":
+            raise ValueError("negative_prompt is not used by this paired-transformer model (its second "
+                             "transformer guides from the prompt itself); leave it out")
         return v
 
     @field_validator("size")
@@ -136,17 +131,6 @@ class ImageGenerationRequest(BaseModel):
             if width * height > limits.max_pixels:
                 raise ValueError(
                     f"size {width}x{height} has {width * height} pixels; at most {limits.max_pixels} are allowed")
-            tokens = (width // f) * (height // f)
-            if limits.world_size > 1 and tokens % limits.world_size:
-                raise ValueError(f"size {width}x{height} gives {tokens} image tokens, which cannot be split "
-                                 f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: str) -> str:
-        if v != "b64_json":
-            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {v!r}")
         return v
 
     @field_validator("num_inference_steps")
@@ -158,12 +142,10 @@ class ImageGenerationRequest(BaseModel):
             raise ValueError(f"num_inference_steps must be between 1 and {top}, got {v}")
         return v
 
-    @field_validator("guidance_scale", "true_cfg_scale")
+    @field_validator("guidance_scale")
     @classmethod
     def _scale(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v is not None and (not math.isfinite(v) or v < 0):
-            raise ValueError(f"{info.field_name} must be a finite number >= 0, got {v}")
-        return v
+        return _non_negative(v, info)
 
     @field_validator("cache_dit_params")
     @classmethod
@@ -171,6 +153,9 @@ class ImageGenerationRequest(BaseModel):
         if v is not None:
             problems = validate_cache_dit_params(v)
             limits = _limits(info)
+            if not problems and limits and "secondary" in v and limits.dual_mode is None:
+                problems.append("cache_dit_params.secondary is only for models with two transformers; "
+                                f"{limits.model_name!r} has one")
             if not problems and limits and limits.num_blocks:
                 for where, knobs in (("cache_dit_params", v), ("cache_dit_params.secondary", v.get("secondary") or {})):
                     used = knobs.get("Fn_compute_blocks", 8) + knobs.get("Bn_compute_blocks", 0)
@@ -200,7 +185,7 @@ class ImageGenerationRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _scm_bins_cover_steps(self, info: ValidationInfo) -> "ImageGenerationRequest":
+    def _scm_bins_cover_steps(self, info: ValidationInfo):
         limits = _limits(info)
         bins = self.cache_dit_params or {}
         if limits and "scm_compute_bins" in bins:
@@ -211,12 +196,144 @@ class ImageGenerationRequest(BaseModel):
                                  f"fewer than num_inference_steps={steps}")
         return self
 
+    def _check_split(self, limits: ServingLimits | None, latent_frames: int) -> None:
+        """Sequence parallelism splits the latent tokens of a sample evenly across the ranks."""
+        if not limits or limits.world_size <= 1:
+            return
+        width, height = parse_size(self.size) if self.size else (limits.default_width, limits.default_height)
+        f = limits.spatial_factor
+        tokens = latent_frames * (width // f) * (height // f)
+        if tokens % limits.world_size:
+            raise ValueError(f"size: {width}x{height} gives {tokens} latent tokens, which cannot be split "
+                             f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
 
-def _describe(error: dict) -> tuple[str, str]:
+
+def _non_negative(v: float | None, info: ValidationInfo) -> float | None:
+    if v is not None and (not math.isfinite(v) or v < 0):
+        raise ValueError(f"{info.field_name} must be a finite number >= 0, got {v}")
+    return v
+
+
+class ImageGenerationRequest(_GenerationRequest):
+    """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
+
+    Validate with :func:`validate_image_request`, which applies the served model's limits
+    and reports every problem in one :class:`InvalidRequestError`.
+    """
+
+    n: int = 1
+    response_format: str = "b64_json"
+    true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int, info: ValidationInfo) -> int:
+        limits = _limits(info)
+        top = limits.max_n if limits else None
+        if v < 1 or (top is not None and v > top):
+            raise ValueError(f"n must be between 1 and {top}, got {v}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: str) -> str:
+        if v != "b64_json":
+            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {v!r}")
+        return v
+
+    @field_validator("true_cfg_scale")
+    @classmethod
+    def _true_cfg_scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        return _non_negative(v, info)
+
+    @model_validator(mode="after")
+    def _tokens_split(self, info: ValidationInfo) -> "ImageGenerationRequest":
+        self._check_split(_limits(info), 1)
+        return self
+
+
+class VideoGenerationRequest(_GenerationRequest):
+    """Body of ``POST /v1/videos`` and argument of the handle's ``submit_video``.
+
+    ``seconds`` (OpenAI's field; a number or numeric string) or ``num_frames`` set the
+    length: ``seconds`` becomes ``temporal_factor · round(seconds · fps / temporal_factor) + 1``
+    frames; ``num_frames`` must already be of that form (Wan: 4k + 1). ``fps``: frames per
+    second of the MP4. ``guidance_scale_2`` (guidance of the low-noise expert) and
+    ``boundary_ratio`` (in [0, 1], the fraction of ``num_train_timesteps`` below which the
+    second expert runs) apply to boundary-expert models (Wan 2.2 A14B) only.
+    """
+
+    seconds: float | str | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    guidance_scale_2: float | None = Field(default=None, allow_inf_nan=False)
+    boundary_ratio: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, v: float | str | None) -> float | None:
+        if v is None:
+            return v
+        try:
+            seconds = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}") from None
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}")
+        return seconds
+
+    @field_validator("fps")
+    @classmethod
+    def _fps(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= 120:
+            raise ValueError(f"fps must be between 1 and 120, got {v}")
+        return v
+
+    @field_validator("guidance_scale_2", "boundary_ratio")
+    @classmethod
+    def _boundary_fields(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limits = _limits(info)
+        if v is not None and limits and limits.dual_mode != "boundary":
+            raise ValueError(f"{info.field_name} applies to models with boundary experts (Wan 2.2 A14B); "
+                             f"{limits.model_name!r} has none")
+        if info.field_name == "boundary_ratio" and v is not None and not 0.0 <= v <= 1.0:
+            raise ValueError(f"boundary_ratio must be in [0, 1], got {v}")
+        return _non_negative(v, info)
+
+    def frames(self, limits: ServingLimits) -> int:
+        """The frame count this request asks for (before the limit checks)."""
+        factor = max(limits.temporal_factor, 1)
+        fps = self.fps or limits.default_fps
+        if self.num_frames is not None:
+            return self.num_frames
+        if self.seconds is not None:
+            return factor * max(1, round(float(self.seconds) * fps / factor)) + 1
+        return limits.default_num_frames
+
+    @model_validator(mode="after")
+    def _length(self, info: ValidationInfo) -> "VideoGenerationRequest":
+        limits = _limits(info)
+        if self.seconds is not None and self.num_frames is not None:
+            raise ValueError("seconds: give either seconds or num_frames, not both")
+        if not limits:
+            return self
+        frames = self.frames(limits)
+        field = "num_frames" if self.num_frames is not None else "seconds"
+        factor = limits.temporal_factor
+        if frames < 1 or (factor and (frames - 1) % factor):
+            raise ValueError(f"{field}: num_frames must be {factor}·k + 1 (the VAE's temporal factor is {factor}), "
+                             f"e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1}; got {frames}")
+        if frames > limits.max_frames:
+            raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed")
+        self._check_split(limits, (frames - 1) // max(factor, 1) + 1)
+        return self
+
+
+def _describe(error: dict, model: type[BaseModel]) -> tuple[str, str]:
     message = error.get("msg", "invalid")
     message = message.removeprefix("Value error, ")
     field = ".".join(str(p) for p in error.get("loc", ())) or message.split(":")[0].split(" ")[0]
-    if field not in ImageGenerationRequest.model_fields:
+    if field not in model.model_fields:
         field = field if error.get("loc") else "body"
     if error.get("type") == "extra_forbidden":
         message = f"unknown field {field!r}"
@@ -228,13 +345,34 @@ def _describe(error: dict) -> tuple[str, str]:
 
 
 def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationRequest:
-    """Validate a request body (dict or model) against the served model's limits.
+    """Validate an image request body (dict or model) against the served model's limits.
 
     Raises ``ModelNotFoundError`` (404) if ``model`` names another model, and
     ``InvalidRequestError`` (400) listing every problem found, ``param`` set to the first
-    offending field.
+    offending field (also when the served model generates videos).
     """
-    if isinstance(body, ImageGenerationRequest):
+    if limits.temporal_factor:
+        raise InvalidRequestError(f"model {limits.model_name!r} generates videos; use POST /v1/videos "
+                                  "(handle: submit_video)", param="model", code="wrong_endpoint")
+    return _validate(ImageGenerationRequest, body, limits)
+
+
+def validate_video_request(body: Any, limits: ServingLimits) -> VideoGenerationRequest:
+    """Validate a video request body (dict or model) against the served model's limits.
+
+    Raises ``ModelNotFoundError`` (404) for another model's name and ``InvalidRequestError``
+    (400) listing every problem, ``param`` the first offending field (also when the served
+    model generates images only).
+    """
+    if not limits.temporal_factor:
+        raise InvalidRequestError(f"model {limits.model_name!r} generates images; use POST "
+                                  "/v1/images/generations (handle: generate)", param="model",
+                                  code="wrong_endpoint")
+    return _validate(VideoGenerationRequest, body, limits)
+
+
+def _validate(model_class: type[BaseModel], body: Any, limits: ServingLimits):
+    if isinstance(body, BaseModel):
         body = body.model_dump(exclude_unset=True)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param="body")
@@ -244,9 +382,9 @@ def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationR
             f"model {model!r} is not served here; available: {limits.model_name!r}", param="model",
             code="model_not_found")
     try:
-        return ImageGenerationRequest.model_validate(body, context={"limits": limits})
+        return model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        described = [_describe(e) for e in exc.errors(include_url=False)]
+        described = [_describe(e, model_class) for e in exc.errors(include_url=False)]
         raise InvalidRequestError("; ".join(m for _, m in described), param=described[0][0],
                                   code="invalid_value") from None
 
@@ -264,3 +402,26 @@ class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
     ditserve: dict[str, Any]
+
+
+class VideoJob(BaseModel):
+    """A video job as OpenAI's video API shows it (``object: "video"``), plus ``ditserve``.
+
+    ``status``: queued → in_progress → completed | failed. ``progress``: 0–100, the share
+    of denoising steps done. ``created_at`` / ``completed_at`` / ``expires_at``: Unix
+    seconds. ``seconds``: the video's length (frames / fps) as a string, as OpenAI's field.
+    ``error``: ``{"code", "message"}`` when failed.
+    """
+
+    id: str
+    object: str = "video"
+    model: str
+    status: str
+    progress: int = 0
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    size: str
+    seconds: str
+    error: dict[str, Any] | None = None
+    ditserve: dict[str, Any] = Field(default_factory=dict)

@@ -1,14 +1,24 @@
 """Our denoising loop: one batch of requests as one batched forward per step.
 
 Per request: prompt, negative prompt and seed (one generator per request, drawing that
-request's ``n`` samples). Shared by the batch (its signature): size, steps, guidance and
-CFG mode. True CFG follows diffusers' ``FluxPipeline``: a separate unconditional forward
-and ``uncond + true_cfg_scale · (cond − uncond)``.
+request's ``n`` samples). Shared by the batch (its signature): size, frames, steps,
+guidance and CFG mode. Guidance follows diffusers' pipelines: a separate guiding forward
+and ``guide + scale · (cond − guide)`` (``FluxPipeline``'s true CFG, ``WanPipeline``'s CFG).
 
-CFG gating (``cfg_gate_step`` g < 1): after ``max(1, floor(g · steps))`` steps the
-unconditional forward is skipped and the last computed delta (cond − uncond) is reused:
-``cond + (true_cfg_scale − 1) · delta``. The idea follows CFG truncation / "CFG-Cache"
-step skipping used by xDiT and vLLM-Omni; g = 1 runs every step exactly as without gating.
+Which transformer runs at a step is the model's execution mode (:func:`step_plan`):
+
+- one transformer (FLUX.1, Wan 2.1): ``transformer`` every step;
+- *boundary experts* (Wan 2.2 A14B, diffusers' ``WanPipeline`` with ``boundary_ratio``):
+  ``transformer`` for timesteps ``t >= boundary_ratio · num_train_timesteps`` (high noise),
+  ``transformer_2`` with ``guidance_scale_2`` below it;
+- *paired per step*: ``transformer`` makes the conditional prediction and ``transformer_2``
+  the guiding one from the same prompt at every step, as autoguidance (Karras et al. 2024,
+  "Guiding a Diffusion Model with a Bad Version of Itself", arXiv:2406.02507).
+
+CFG gating (``cfg_gate_step`` g < 1): after ``max(1, floor(g · steps))`` steps the guiding
+forward is skipped and the last computed delta (cond − guide) is reused:
+``cond + (scale − 1) · delta``. The idea follows CFG truncation / "CFG-Cache" step skipping
+used by xDiT and vLLM-Omni; g = 1 runs every step exactly as without gating.
 """
 
 from __future__ import annotations
@@ -22,16 +32,89 @@ import torch
 
 from pipeline.sampling import SamplingParams
 
+PRIMARY, SECONDARY = "transformer", "transformer_2"
+SINGLE, BOUNDARY, PAIRED = None, "boundary", "paired"
+
 
 @dataclass
 class LoopOutput:
-    """images: one (n, H, W, 3) float32 array in [0, 1] per request, in batch order."""
+    """images: one float32 array in [0, 1] per request, in batch order: (n, H, W, 3) for
+    images, (n, F, H, W, 3) for videos. ``calls``: transformer name -> forwards run."""
 
     images: list[np.ndarray]
     denoise_ms: float
     decode_ms: float
     steps: int
     cfg_reused_steps: int = 0
+    calls: dict | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one denoising step runs.
+
+    ``model``: the transformer making the conditional prediction. ``guide``: the one making
+    the guiding prediction (None: no guidance). ``guide_prompt``: ``"negative"`` (CFG on the
+    negative prompt) or ``"prompt"`` (autoguidance). ``scale``: the guidance scale.
+    """
+
+    model: str
+    guide: str | None
+    guide_prompt: str
+    scale: float
+
+
+def step_plan(timesteps, head: SamplingParams, dual_mode: str | None, boundary_ratio: float | None = None,
+              num_train_timesteps: int = 1000) -> list[StepPlan]:
+    """The per-step plan of a batch (see the module docstring).
+
+    ``boundary_ratio``: the model's default, replaced by ``head.boundary_ratio`` when the
+    request gives one. Raises ``ValueError`` for an unknown ``dual_mode``.
+    """
+    if dual_mode == PAIRED:
+        return [StepPlan(PRIMARY, SECONDARY, "prompt", head.true_cfg_scale) for _ in timesteps]
+    if dual_mode not in (SINGLE, BOUNDARY):
+        raise ValueError(f"unknown dual-transformer mode {dual_mode!r}")
+    boundary_t = None
+    if dual_mode == BOUNDARY:
+        ratio = head.boundary_ratio if head.boundary_ratio is not None else boundary_ratio
+        boundary_t = ratio * num_train_timesteps
+    plans = []
+    for t in timesteps:
+        low_noise = boundary_t is not None and float(t) < boundary_t
+        model = SECONDARY if low_noise else PRIMARY
+        scale = head.true_cfg_scale
+        if low_noise and head.guidance_scale_2 is not None:
+            scale = head.guidance_scale_2
+        plans.append(StepPlan(model, model if head.do_true_cfg else None, "negative", scale))
+    return plans
+
+
+def gate_step(head: SamplingParams, num_steps: int) -> int:
+    """Index of the first step whose guiding forward CFG gating skips (``num_steps``: none)."""
+    return num_steps if head.cfg_gate_step >= 1.0 else max(1, math.floor(head.cfg_gate_step * num_steps))
+
+
+def steps_per_transformer(plan: list[StepPlan], gate_at: int) -> dict[str, list[int]]:
+    """Indices of the steps at which each transformer runs at least one forward (what its
+    Cache-DiT context is sized and masked for)."""
+    steps: dict[str, list[int]] = {}
+    for i, step in enumerate(plan):
+        used = [step.model] + ([step.guide] if step.guide not in (None, step.model) and i < gate_at else [])
+        for name in used:
+            steps.setdefault(name, []).append(i)
+    return steps
+
+
+def separate_cfg_of(plan: list[StepPlan]) -> dict[str, bool]:
+    """Per transformer: does it make both the conditional and the guiding forward of a step
+    (cache-dit's ``enable_separate_cfg``: two calls per step, told apart by parity)?"""
+    out: dict[str, bool] = {}
+    for step in plan:
+        out[step.model] = out.get(step.model, False) or step.guide == step.model
+        if step.guide not in (None, step.model):
+            out.setdefault(step.guide, False)
+    return out
 
 
 def _check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
@@ -51,47 +134,55 @@ def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_s
                   decode: bool = True) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` and decode it.
 
-    ``on_step(i, num_steps)`` is called after each denoising step, ``on_uncond_skipped()``
-    each time CFG gating skips an unconditional forward. ``decode=False`` (sequence-parallel
-    ranks other than 0) stops after denoising and returns no images. Raises ``ValueError``
-    if the batch is empty or mixes signatures.
+    ``on_step(i, num_steps)`` is called after each denoising step, ``on_uncond_skipped(name)``
+    each time CFG gating skips a guiding forward of transformer ``name``. ``decode=False``
+    (sequence-parallel ranks other than 0) stops after denoising and returns no images.
+    Raises ``ValueError`` if the batch is empty or mixes signatures.
     """
     head = _check_homogeneous(batch)
     t0 = time.perf_counter()
     counts = [p.n for p in batch]
     index = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
 
-    cond = family.encode([p.prompt for p in batch]).select(index)
-    uncond = family.encode([p.negative_prompt for p in batch]).select(index) if head.do_true_cfg else None
-
     generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in batch]
-    latents, img_ids = family.prepare_latents(generators, counts, head.height, head.width)
-    scheduler, timesteps = family.scheduler_and_timesteps(head.num_inference_steps, latents.shape[1])
+    latents, positions = family.prepare_latents(generators, counts, head)
+    scheduler, timesteps = family.scheduler_and_timesteps(head.num_inference_steps, latents)
+    plan = step_plan(timesteps, head, family.dual_mode, family.boundary_ratio,
+                     scheduler.config.num_train_timesteps)
+    cond = family.encode([p.prompt for p in batch]).select(index)
+    uncond = None
+    if any(s.guide is not None and s.guide_prompt == "negative" for s in plan):
+        uncond = family.encode([p.negative_prompt or "" for p in batch]).select(index)
     guidance = family.guidance(head.guidance_scale, latents.shape[0])
 
     num_steps = len(timesteps)
-    gate_at = num_steps if head.cfg_gate_step >= 1.0 else max(1, math.floor(head.cfg_gate_step * num_steps))
-    delta, reused = None, 0
+    gate_at = gate_step(head, num_steps)
+    delta, reused, calls = None, 0, {}
     for i, t in enumerate(timesteps):
-        noise_pred = family.predict(latents, t, cond, guidance, img_ids, branch="cond")
-        if head.do_true_cfg and i < gate_at:
-            neg = family.predict(latents, t, uncond, guidance, img_ids, branch="uncond")
-            delta = noise_pred - neg
-            noise_pred = neg + head.true_cfg_scale * delta
-        elif head.do_true_cfg:
-            noise_pred = noise_pred + (head.true_cfg_scale - 1.0) * delta
+        step = plan[i]
+        noise_pred = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+        calls[step.model] = calls.get(step.model, 0) + 1
+        if step.guide is not None and i < gate_at:
+            guide_cond = uncond if step.guide_prompt == "negative" else cond
+            guide = family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
+            calls[step.guide] = calls.get(step.guide, 0) + 1
+            delta = noise_pred - guide
+            noise_pred = guide + step.scale * delta
+        elif step.guide is not None:
+            noise_pred = noise_pred + (step.scale - 1.0) * delta
             reused += 1
             if on_uncond_skipped is not None:
-                on_uncond_skipped()
+                on_uncond_skipped(step.guide)
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if on_step is not None:
-            on_step(i + 1, len(timesteps))
+            on_step(i + 1, num_steps)
     t1 = time.perf_counter()
     if not decode:
-        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused)
-    images = family.decode(latents, head.height, head.width)
+        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls)
+    images = family.decode(latents, head)
     t2 = time.perf_counter()
     splits = np.cumsum([0, *counts])
     return LoopOutput(
         images=[images[a:b] for a, b in zip(splits[:-1], splits[1:])],
-        denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps, cfg_reused_steps=reused)
+        denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps, cfg_reused_steps=reused,
+        calls=calls)

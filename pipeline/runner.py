@@ -8,21 +8,20 @@ Per batch, in the design's order: 1 attention override (prepare, then flip all l
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from pipeline.attention import KERNELS, AttentionSwitch, kernel_rejections
-from pipeline.cache_dit_state import CacheDiTExecutor, CacheKey
+from pipeline.cache_dit_state import CacheDiTState
 from pipeline.families import detect_family, load_family
-from pipeline.loop import denoise_batch
+from pipeline.loop import denoise_batch, gate_step, separate_cfg_of, step_plan, steps_per_transformer
+from pipeline.media import encode_mp4, encode_png
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
-from pipeline.tiny.build import TINY_FLUX, ensure_tiny_flux
+from pipeline.tiny.build import EMBEDDED
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,8 @@ class Batch:
 
 @dataclass
 class RequestOutput:
-    """One request's answer from a replica: PNG bytes of its ``n`` images and metadata parts."""
+    """One request's answer from a replica: PNG bytes of its ``n`` images (or MP4 bytes of
+    its videos) and metadata parts."""
 
     request_id: str
     seed: int
@@ -50,6 +50,7 @@ class RequestOutput:
     timings_ms: dict[str, float]
     acceleration: dict = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)  # batch_id, batch_size, signature, replica, ...
+    videos: list[bytes] = field(default_factory=list)  # MP4 (H.264) per video
 
 
 @dataclass(frozen=True)
@@ -67,30 +68,27 @@ class ModelFacts:
     attention_rejections: dict = field(default_factory=dict)
     world_size: int = 1
     text_tokens: int = 0
+    cfg_style: str = "true_cfg"
+    dual_mode: str | None = None
+    temporal_factor: int = 0  # 0: an image model
+    boundary_ratio: float | None = None
 
 
 def resolve_checkpoint(name: str, path: str | None) -> Path | str:
-    """The checkpoint to load: ``path`` if given, else the embedded ``tiny-flux`` (built on
-    first use). Raises ``FileNotFoundError`` for a ``path`` that is neither a local
-    diffusers directory nor (where the machine is online) a hub id."""
+    """The checkpoint to load: ``path`` if given, else the embedded model of that name
+    (``tiny-flux``, ``tiny-wan``, ``tiny-wan-moe``, ``tiny-wan-paired``; built on first use).
+    Raises ``FileNotFoundError`` for a ``path`` that is neither a local diffusers directory
+    nor (where the machine is online) a hub id."""
     if path is None:
-        if name != TINY_FLUX:
-            raise FileNotFoundError(f"model {name!r} needs a checkpoint path (only {TINY_FLUX!r} is embedded)")
-        return ensure_tiny_flux()
+        if name not in EMBEDDED:
+            raise FileNotFoundError(f"model {name!r} needs a checkpoint path (embedded: {', '.join(EMBEDDED)})")
+        return EMBEDDED[name]()
     local = Path(path).expanduser()
     if local.exists():
         if not (local / "model_index.json").exists():
             raise FileNotFoundError(f"{local} is not a diffusers checkpoint (no model_index.json)")
         return local
     return path
-
-
-def encode_png(image) -> bytes:
-    """(H, W, 3) float32 in [0, 1] → PNG bytes (rounded to uint8 as diffusers' numpy_to_pil)."""
-    array = (image * 255).round().clip(0, 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,17 +100,22 @@ class BatchRunner:
     ``attention_backend``: the server's default kernel (None: diffusers' default, torch SDPA).
     ``torch_compile``: compile each transformer once, after Cache-DiT is mounted when wanted;
     ``compile_backend`` is ``torch.compile``'s backend ("inductor"; "eager" for cheap tests).
+    ``dual_transformer``: the execution mode of a second transformer (Wan: ``boundary`` or
+    ``paired``; None: what the checkpoint declares).
     """
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", *, attention_backend: str | None = None,
-                 torch_compile: bool = False, compile_backend: str = "inductor"):
+                 dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None, *,
+                 attention_backend: str | None = None, torch_compile: bool = False,
+                 compile_backend: str = "inductor"):
         checkpoint = resolve_checkpoint(name, path)
         self.name = name
         self.family_name = family or detect_family(checkpoint)
-        self.family = load_family(self.family_name, checkpoint, torch_dtype=DTYPES[dtype], device=device)
+        options = {"dual_transformer": dual_transformer} if dual_transformer else {}
+        self.family = load_family(self.family_name, checkpoint, torch_dtype=DTYPES[dtype], device=device,
+                                  **options)
         transformers = list(self.family.transformers.values())
-        self.cache = CacheDiTExecutor(transformers[0])
+        self.cache = CacheDiTState(self.family.transformers)
         self.attention = AttentionSwitch(transformers, default=attention_backend)
         self.torch_compile = torch_compile
         self.compile_backend = compile_backend
@@ -120,19 +123,21 @@ class BatchRunner:
         self.events: list[tuple] = []  # (what, detail) in order: mounts and compiles, for audits
         self.compiles = 0
         self.rank, self.world_size = 0, 1
+        self.run_steps: dict[str, list[int]] = {}  # of the last batch: transformer -> step indices
 
     def facts(self, ring_degree: int = 1) -> ModelFacts:
         device, dtype = self.family.device, self.family.dtype
         layers = len(self.attention.layers)
-        t = self.family.transformer
-        blocks = sum(len(getattr(t, a, ())) for a in ("transformer_blocks", "single_transformer_blocks", "blocks"))
+        blocks = min(sum(len(getattr(t, a, ())) for a in ("transformer_blocks", "single_transformer_blocks", "blocks"))
+                     for t in self.family.transformers.values())
         rejections = {name: kernel_rejections(name, device=torch.device(device), dtype=dtype,
                                               torch_compile=self.torch_compile, num_layers=layers,
                                               ring_degree=ring_degree)
                       for name in KERNELS}
         return ModelFacts(self.family_name, self.family.spatial_factor, self.family.guidance_embeds, blocks,
                           {k: v for k, v in rejections.items() if v}, self.world_size,
-                          self.family.sequence_lengths(0, 0)["text tokens"])
+                          self.family.sequence_lengths(0, 0)["text tokens"], self.family.cfg_style,
+                          self.family.dual_mode, self.family.temporal_factor, self.family.boundary_ratio)
 
     def counters(self) -> dict:
         return {**self.cache.counters, "compiles": self.compiles, "attention_switches": self.attention.switches}
@@ -142,11 +147,21 @@ class BatchRunner:
         return {"cache_dit_key": None if active is None else dict(active.overrides),
                 "attention_backend": self.attention.active or "default"}
 
+    def plan(self, head: SamplingParams):
+        """Which transformer runs which step of a batch like ``head`` (``pipeline.loop.step_plan``)."""
+        if self.family.dual_mode == "boundary":
+            scheduler, timesteps = self.family.scheduler_and_timesteps(head.num_inference_steps, None)
+            return step_plan(timesteps, head, "boundary", self.family.boundary_ratio,
+                             scheduler.config.num_train_timesteps)
+        return step_plan(range(head.num_inference_steps), head, self.family.dual_mode)
+
     def _prepare_state(self, head: SamplingParams) -> str:
         prepared = self.attention.prepare(head.attention_backend)  # may raise; changes nothing
         self.attention.apply(prepared)
-        wanted = CacheKey(head.cache_dit_params or (), head.do_true_cfg) if head.enable_cache_dit else None
-        transition = self.cache.apply(wanted, head.num_inference_steps)
+        plan = self.plan(head)
+        self.run_steps = steps_per_transformer(plan, gate_step(head, len(plan)))
+        overrides = (head.cache_dit_params or ()) if head.enable_cache_dit else None
+        transition = self.cache.apply(overrides, head.num_inference_steps, self.run_steps, separate_cfg_of(plan))
         if transition in ("mount", "remount"):
             self.events.append(("mount", transition))
         if self.torch_compile:
@@ -199,16 +214,27 @@ class BatchRunner:
             return []
         cached = self.cache.cached_steps()
         t0 = time.perf_counter()
-        pngs = [[encode_png(img) for img in images] for images in out.images]
+        video = head.num_frames > 1 or self.family.temporal_factor > 0
+        media = [[encode_mp4(v, head.fps) if video else encode_png(v) for v in samples] for samples in out.images]
         encode_ms = (time.perf_counter() - t0) * 1e3
+        cache = {"active": self.cache.active is not None, "transition": transition,
+                 "cached_steps": cached["transformer"], "computed_steps": out.steps - cached["transformer"]}
+        if len(self.cache.executors) > 1:
+            cache["transformers"] = {
+                name: {"active": ex.active is not None, "transition": self.cache.last_transitions.get(name, "none"),
+                       "steps": len(self.run_steps.get(name, [])),
+                       "cached_steps": cached[name]}
+                for name, ex in self.cache.executors.items()}
         acceleration = {
-            "cache_dit": {"active": self.cache.active is not None, "transition": transition,
-                          "cached_steps": cached, "computed_steps": out.steps - cached},
+            "cache_dit": cache,
             "attention_backend": self.attention.active or "default",
             "cfg_gate": {"gate_step": head.cfg_gate_step, "reused_steps": out.cfg_reused_steps},
+            "transformer_calls": out.calls,
         }
+        timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
         return [
-            RequestOutput(p.request_id, p.seed, png_list,
-                          {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}, acceleration)
-            for p, png_list in zip(batch.requests, pngs)
+            RequestOutput(p.request_id, p.seed, [] if video else items, dict(timings), acceleration,
+                          videos=items if video else [])
+            for p, items in zip(batch.requests, media)
         ]
+

@@ -33,6 +33,9 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "attention_backend": True,
     "response_format": False,
     "timeout_s": False,         # a deadline, not an execution setting
+    "guidance_scale_2": True,
+    "boundary_ratio": True,     # which expert runs which step
+    "fps": False,               # only the MP4 container's frame rate
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 
@@ -58,10 +61,13 @@ class BatchSignature:
     def __str__(self) -> str:
         d = self.as_dict()
         cache = "off" if not d["enable_cache_dit"] else f"on{dict(d['cache_dit_params'] or ())}"
-        return (f"{d['model']} {d['width']}x{d['height']} steps={d['num_inference_steps']} "
+        frames = f"x{d['num_frames']}f" if d["num_frames"] > 1 else ""
+        experts = "" if d["boundary_ratio"] is None else f" boundary={d['boundary_ratio']}"
+        experts += "" if d["guidance_scale_2"] is None else f" g2={d['guidance_scale_2']}"
+        return (f"{d['model']} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
                 f"g={d['guidance_scale']} cfg={d['true_cfg_scale'] if d['do_true_cfg'] else 'off'} "
                 f"cache_dit={cache} gate={d['cfg_gate_step']} attn={d['attention_backend'] or 'default'}"
-                f" [{self.digest}]")
+                f"{experts} [{self.digest}]")
 
 
 def _check_table() -> None:

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from pipeline.contract import ServingLimits, validate_image_request
+from pipeline.contract import ServingLimits, validate_image_request, validate_video_request
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
-from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import SIGNATURE_TABLE, BatchSignature
 
 LIMITS = ServingLimits(model_name="tiny-flux", spatial_factor=8, default_width=64, default_height=64,
@@ -94,12 +94,15 @@ def test_cache_dit_resolution():
     assert not off.enable_cache_dit and off.cache_dit_params is None  # False always wins
     follow = resolve(validate_image_request(base, LIMITS), LIMITS, defaults_on)
     assert follow.enable_cache_dit
+    dual = dataclasses.replace(LIMITS, dual_mode="paired")
     a = resolve(validate_image_request({**base, "enable_cache_dit": True, "cache_dit_params": {
-        "Fn_compute_blocks": 2, "secondary": {"max_warmup_steps": 1, "Bn_compute_blocks": 0}}}, LIMITS), LIMITS)
+        "Fn_compute_blocks": 2, "secondary": {"max_warmup_steps": 1, "Bn_compute_blocks": 0}}}, dual), dual)
     b = resolve(validate_image_request({**base, "enable_cache_dit": True, "cache_dit_params": {
-        "secondary": {"Bn_compute_blocks": 0, "max_warmup_steps": 1}, "Fn_compute_blocks": 2}}, LIMITS), LIMITS)
+        "secondary": {"Bn_compute_blocks": 0, "max_warmup_steps": 1}, "Fn_compute_blocks": 2}}, dual), dual)
     assert BatchSignature.of(a) == BatchSignature.of(b)  # order-insensitive, nested included
     hash(BatchSignature.of(a))
+    error = reasons({**base, "cache_dit_params": {"secondary": {"max_warmup_steps": 1}}})
+    assert error.param == "cache_dit_params" and "only for models with two transformers" in str(error)
 
 
 def test_signature_table_covers_every_field():
@@ -107,7 +110,7 @@ def test_signature_table_covers_every_field():
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(SIGNATURE_TABLE)
     expected_in = {"model", "width", "height", "num_frames", "num_inference_steps", "guidance_scale",
                    "true_cfg_scale", "do_true_cfg", "enable_cache_dit", "cache_dit_params", "cfg_gate_step",
-                   "attention_backend"}
+                   "attention_backend", "guidance_scale_2", "boundary_ratio"}
     assert {k for k, v in SIGNATURE_TABLE.items() if v} == expected_in
 
 
@@ -117,3 +120,59 @@ def test_signature_ignores_per_request_fields():
     t = validate_image_request({"prompt": "a", "seed": 1, "num_inference_steps": 3}, LIMITS)
     assert BatchSignature.of(resolve(r, LIMITS)) == BatchSignature.of(resolve(s, LIMITS))
     assert BatchSignature.of(resolve(r, LIMITS)) != BatchSignature.of(resolve(t, LIMITS))
+
+
+VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan-moe", spatial_factor=16, default_steps=8,
+                            default_guidance_scale=5.0, guidance_embeds=False, cfg_style="cfg",
+                            dual_mode="boundary", temporal_factor=4, default_num_frames=9, default_fps=8,
+                            max_frames=33, default_boundary_ratio=0.875)
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"prompt": "a", "num_frames": 10}, "num_frames", "4·k + 1"),
+    ({"prompt": "a", "num_frames": 37}, "num_frames", "at most 33"),
+    ({"prompt": "a", "seconds": 30}, "seconds", "at most 33"),
+    ({"prompt": "a", "seconds": "soon"}, "seconds", "number of seconds"),
+    ({"prompt": "a", "seconds": 1, "num_frames": 9}, "seconds", "not both"),
+    ({"prompt": "a", "size": "512x512"}, "size", "at most 65536"),
+    ({"prompt": "a", "size": "72x64"}, "size", "multiples of 16"),
+    ({"prompt": "a", "boundary_ratio": 1.5}, "boundary_ratio", "[0, 1]"),
+    ({"prompt": "a", "boundary_ratio": -0.1}, "boundary_ratio", "[0, 1]"),
+    ({"prompt": "a", "fps": 0}, "fps", "between 1 and 120"),
+    ({"prompt": "a", "n": 2}, "n", "unknown field"),
+])
+def test_video_bad_input_names_the_field(body, field, words):
+    with pytest.raises(InvalidRequestError) as info:
+        validate_video_request(body, VIDEO)
+    assert info.value.param == field and words in str(info.value), str(info.value)
+
+
+def test_video_fields_of_the_model_kind():
+    single = dataclasses.replace(VIDEO, model_name="tiny-wan", dual_mode=None, default_boundary_ratio=None)
+    for body, field in (({"prompt": "a", "boundary_ratio": 0.5}, "boundary_ratio"),
+                        ({"prompt": "a", "guidance_scale_2": 2.0}, "guidance_scale_2"),
+                        ({"prompt": "a", "cache_dit_params": {"secondary": {"Fn_compute_blocks": 1}}},
+                         "cache_dit_params")):
+        with pytest.raises(InvalidRequestError) as info:
+            validate_video_request(body, single)
+        assert info.value.param == field
+    paired = dataclasses.replace(VIDEO, cfg_style="paired", dual_mode="paired")
+    with pytest.raises(InvalidRequestError, match="negative_prompt"):
+        validate_video_request({"prompt": "a", "negative_prompt": "b"}, paired)
+    with pytest.raises(InvalidRequestError, match="POST /v1/videos"):
+        validate_image_request({"prompt": "a"}, VIDEO)
+    with pytest.raises(InvalidRequestError, match="/v1/images/generations"):
+        validate_video_request({"prompt": "a"}, LIMITS)
+
+
+def test_video_resolution_and_signature():
+    p = resolve_video(validate_video_request({"prompt": "a", "seconds": "2", "seed": 3}, VIDEO), VIDEO)
+    assert p.num_frames == 17 and p.fps == 8 and p.n == 1  # 4·round(2·8/4) + 1
+    assert p.do_true_cfg and p.true_cfg_scale == 5.0 and p.negative_prompt == ""  # Wan: CFG when g > 1
+    q = resolve_video(validate_video_request({"prompt": "b", "num_frames": 17, "seed": 4, "fps": 24}, VIDEO), VIDEO)
+    assert BatchSignature.of(p) == BatchSignature.of(q)  # fps is the container's, not the batch's
+    r = resolve_video(validate_video_request({"prompt": "a", "num_frames": 17, "boundary_ratio": 0.5}, VIDEO),
+                      VIDEO)
+    assert BatchSignature.of(p) != BatchSignature.of(r)
+    off = resolve_video(validate_video_request({"prompt": "a", "guidance_scale": 1.0}, VIDEO), VIDEO)
+    assert not off.do_true_cfg and off.negative_prompt is None

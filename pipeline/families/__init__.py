@@ -32,13 +32,14 @@ def detect_family(path: str | Path) -> str:
     raise ValueError(f"no ditserve family serves pipeline class {class_name!r}; known: {sorted(FAMILIES)}")
 
 
-def load_family(name: str, path: str | Path, *, torch_dtype, device):
-    """Load the checkpoint at ``path`` with the adapter registered as ``name``."""
+def load_family(name: str, path: str | Path, *, torch_dtype, device, **options):
+    """Load the checkpoint at ``path`` with the adapter registered as ``name``; ``options``
+    go to the adapter's ``from_pretrained`` (e.g. Wan's ``dual_transformer``)."""
     _import_all()
     _quiet_loading()
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name].from_pretrained(path, torch_dtype=torch_dtype, device=device)
+    return FAMILIES[name].from_pretrained(path, torch_dtype=torch_dtype, device=device, **options)
 
 
 def _quiet_loading() -> None:
@@ -51,4 +52,4 @@ def _quiet_loading() -> None:
 
 
 def _import_all() -> None:
-    from pipeline.families import flux  # noqa: F401  (registers itself)
+    from pipeline.families import flux, wan  # noqa: F401  (register themselves)

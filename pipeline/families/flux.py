@@ -35,6 +35,10 @@ class FluxFamily:
     """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers)."""
 
     pipeline_classes = ("FluxPipeline",)
+    dual_mode = None       # one transformer
+    boundary_ratio = None
+    cfg_style = "true_cfg"  # guidance embedding + diffusers' true CFG on a negative prompt
+    temporal_factor = 0     # images only
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -95,14 +99,16 @@ class FluxFamily:
             max_sequence_length=self.max_sequence_length)
         return FluxConditioning(prompt_embeds, pooled, text_ids)
 
-    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], height: int, width: int):
-        """Initial noise, one generator per request drawing that request's ``count`` samples.
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params):
+        """Initial noise, one generator per request drawing that request's ``count`` samples,
+        at ``params.width`` × ``params.height`` pixels.
 
         Returns latents: (B, (h/2)·(w/2), 4·C) packed, dtype of the transformer, with
         B = sum(counts) and h, w the latent size; and img_ids: ((h/2)·(w/2), 3).
         """
         from diffusers.utils.torch_utils import randn_tensor
 
+        height, width = params.height, params.width
         channels = self.transformer.config.in_channels // 4
         h = 2 * (int(height) // (self.vae_scale_factor * 2))
         w = 2 * (int(width) // (self.vae_scale_factor * 2))
@@ -113,10 +119,12 @@ class FluxFamily:
         img_ids = self.pipe._prepare_latent_image_ids(latents.shape[0], h // 2, w // 2, self.device, self.dtype)
         return latents, img_ids
 
-    def scheduler_and_timesteps(self, num_inference_steps: int, image_seq_len: int):
+    def scheduler_and_timesteps(self, num_inference_steps: int, latents: torch.Tensor):
         """A fresh flow-matching scheduler for this batch and its timesteps (FLUX sigmas and
-        resolution-dependent shift ``mu``, as ``FluxPipeline``)."""
+        shift ``mu`` from the packed ``latents``' sequence length, as ``FluxPipeline``)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        image_seq_len = latents.shape[1]
 
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
@@ -136,8 +144,10 @@ class FluxFamily:
         return torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
 
     @torch.no_grad()
-    def predict(self, latents, t, cond: FluxConditioning, guidance, img_ids, branch: str = "cond"):
-        """One transformer call: latents (B, S, 4·C) → velocity (B, S, 4·C)."""
+    def predict(self, latents, t, cond: FluxConditioning, guidance, img_ids, model: str = "transformer",
+                branch: str = "cond"):
+        """One transformer call: latents (B, S, 4·C) → velocity (B, S, 4·C). ``model`` is
+        always ``"transformer"`` (FLUX.1 has one)."""
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         with self.transformer.cache_context(branch):
             return self.transformer(
@@ -146,9 +156,10 @@ class FluxFamily:
                 txt_ids=cond.text_ids, img_ids=img_ids, joint_attention_kwargs={}, return_dict=False)[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
-        """Packed latents (B, S, 4·C) → images (B, height, width, 3) float32 in [0, 1]."""
+    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Packed latents (B, S, 4·C) → images (B, params.height, params.width, 3) float32 in [0, 1]."""
         vae = self.pipe.vae
+        height, width = params.height, params.width
         latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]

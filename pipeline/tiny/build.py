@@ -222,5 +222,137 @@ def _arch_tag(arch: TinyFluxArch) -> str:
     return hashlib.sha1(repr(arch).encode()).hexdigest()[:12]
 
 
+TINY_WAN = "tiny-wan"              # Wan 2.1-style: one transformer
+TINY_WAN_MOE = "tiny-wan-moe"      # Wan 2.2 A14B-style: high-/low-noise experts switched at boundary_ratio
+TINY_WAN_PAIRED = "tiny-wan-paired"  # two transformers at every step (the second one guides)
+TINY_WAN_VERSION = "v1"
+# A sidecar in a checkpoint directory that names ditserve's execution mode of a second
+# transformer that diffusers' pipeline class does not know (``paired``).
+DITSERVE_JSON = "ditserve.json"
+
+
+@dataclass(frozen=True)
+class TinyWanArch:
+    """Architecture knobs of a random-weight Wan-style text-to-video model.
+
+    ``dual``: None (one transformer), ``"boundary"`` (``transformer_2`` serves the low-noise
+    steps below ``boundary_ratio``, as Wan 2.2 A14B) or ``"paired"`` (both run every step).
+    ``num_attention_heads`` must be divisible by the Ulysses degree a test wants.
+    """
+
+    num_layers: int = 10
+    num_attention_heads: int = 4
+    attention_head_dim: int = 16
+    text_dim: int = 32
+    z_dim: int = 4
+    vae_base_dim: int = 8
+    max_sequence_length: int = 32
+    dual: str | None = None
+    boundary_ratio: float = 0.875  # Wan 2.2 A14B text-to-video's value
+    seed: int = 0
+
+
+def _tiny_wan_transformer(arch: TinyWanArch, seed: int):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=arch.num_attention_heads,
+        attention_head_dim=arch.attention_head_dim,
+        in_channels=arch.z_dim,
+        out_channels=arch.z_dim,
+        text_dim=arch.text_dim,
+        freq_dim=32,
+        ffn_dim=2 * arch.num_attention_heads * arch.attention_head_dim,
+        num_layers=arch.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=256,
+    )
+
+
+def build_tiny_wan_pipeline(arch: TinyWanArch = TinyWanArch()):
+    """Return a ``diffusers.WanPipeline`` with random weights drawn from ``arch.seed``.
+
+    Components as Wan 2.1/2.2: ``WanTransformer3DModel`` (patch 1×2×2), ``AutoencoderKLWan``
+    (spatial factor 8, temporal factor 4), UMT5 text encoder with a locally made tokenizer,
+    ``UniPCMultistepScheduler`` with flow prediction and ``flow_shift`` 3.0 (Wan 2.1 T2V's
+    setting at 480p). All float32 on CPU. Raises ``ValueError`` for an unknown ``arch.dual``.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    if arch.dual not in (None, "boundary", "paired"):
+        raise ValueError(f"dual must be None, 'boundary' or 'paired', got {arch.dual!r}")
+    tokenizer = _t5_tokenizer(arch.max_sequence_length)
+    torch.manual_seed(arch.seed + 1)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=arch.text_dim,
+            d_kv=8,
+            d_ff=2 * arch.text_dim,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    transformer = _tiny_wan_transformer(arch, arch.seed + 2)
+    transformer_2 = _tiny_wan_transformer(arch, arch.seed + 4) if arch.dual else None
+    torch.manual_seed(arch.seed + 3)
+    vae = AutoencoderKLWan(
+        base_dim=arch.vae_base_dim,
+        z_dim=arch.z_dim,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * arch.z_dim,
+        latents_std=[1.0] * arch.z_dim,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=transformer_2,
+                       boundary_ratio=arch.boundary_ratio if arch.dual == "boundary" else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ensure_tiny_wan(root: Path | None = None, arch: TinyWanArch = TinyWanArch()) -> Path:
+    """Return the directory of a tiny Wan checkpoint for ``arch``, building it on first use.
+
+    A ``paired`` model carries ``ditserve.json`` (``{"dual_transformer": "paired"}``).
+    """
+    name = f"{TINY_WAN}-{arch.dual or 'single'}-{TINY_WAN_VERSION}-{_arch_tag(arch)}"
+    target = (root or cache_root()) / "models" / name
+    if (target / "model_index.json").exists():
+        return target
+    pipe = build_tiny_wan_pipeline(arch)
+    if arch.dual == "paired":
+        original = pipe.save_pretrained
+
+        def save_with_sidecar(directory, **kwargs):
+            original(directory, **kwargs)
+            (Path(directory) / DITSERVE_JSON).write_text('{"dual_transformer": "paired"}\n')
+
+        pipe.save_pretrained = save_with_sidecar
+    return save_atomically(pipe, target)
+
+
+# The embedded checkpoints, by served model name.
+EMBEDDED = {
+    TINY_FLUX: lambda root=None: ensure_tiny_flux(root),
+    TINY_WAN: lambda root=None: ensure_tiny_wan(root, TinyWanArch()),
+    TINY_WAN_MOE: lambda root=None: ensure_tiny_wan(root, TinyWanArch(dual="boundary")),
+    TINY_WAN_PAIRED: lambda root=None: ensure_tiny_wan(root, TinyWanArch(dual="paired")),
+}
+
+
 if __name__ == "__main__":
-    print(ensure_tiny_flux())
+    for build in EMBEDDED.values():
+        print(build())

@@ -1,0 +1,167 @@
+"""Wan 2.1 / 2.2 family: UMT5 prompt encoding, 5-D video latents, one or two transformers,
+``AutoencoderKLWan`` decode.
+
+Mirrors diffusers' ``WanPipeline`` (same helpers, same order of random draws, float32
+latents, the scheduler stepping in float32) so our loop reproduces its output exactly; the
+loop itself, including the boundary-expert and paired-per-step modes, lives in
+``pipeline.loop``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.families import register
+
+
+@dataclass
+class WanConditioning:
+    """Text conditioning of B samples: prompt_embeds (B, L, text_dim) UMT5 states, zeroed
+    past each prompt's length, in the transformer's dtype."""
+
+    prompt_embeds: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> "WanConditioning":
+        return WanConditioning(self.prompt_embeds[index])
+
+
+@register("wan")
+class WanFamily:
+    """Adapter over a loaded ``diffusers.WanPipeline``.
+
+    ``dual_mode``: None (one transformer, Wan 2.1), ``"boundary"`` (the pipeline's
+    ``boundary_ratio`` is set: Wan 2.2 A14B experts) or ``"paired"`` (declared by the
+    checkpoint's ``ditserve.json`` ``{"dual_transformer": "paired"}`` or the serve config's
+    ``model.dual_transformer``). Raises ``ValueError`` when the mode needs a
+    ``transformer_2`` the checkpoint lacks.
+    """
+
+    pipeline_classes = ("WanPipeline",)
+    cfg_style = "cfg"  # WanPipeline: guidance_scale > 1 runs a separate unconditional forward
+    guidance_embeds = False
+
+    def __init__(self, pipe, dual_transformer: str | None = None):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.transformer_2 = pipe.transformer_2
+        self.device = pipe.transformer.device
+        self.dtype = pipe.transformer.dtype
+        self.max_sequence_length = min(512, int(pipe.tokenizer.model_max_length))
+        self.boundary_ratio = pipe.config.boundary_ratio
+        mode = dual_transformer or ("boundary" if self.boundary_ratio is not None else None)
+        if mode not in (None, "boundary", "paired"):
+            raise ValueError(f"dual_transformer must be 'boundary' or 'paired', got {mode!r}")
+        if mode is not None and self.transformer_2 is None:
+            raise ValueError(f"dual_transformer={mode!r} needs a checkpoint with transformer_2")
+        if mode == "boundary" and self.boundary_ratio is None:
+            raise ValueError("dual_transformer='boundary' needs the pipeline's boundary_ratio")
+        self.dual_mode = mode
+        if mode == "paired":
+            self.cfg_style = "paired"
+
+    @classmethod
+    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu",
+                        dual_transformer: str | None = None) -> "WanFamily":
+        from diffusers import WanPipeline
+
+        sidecar = Path(path) / "ditserve.json"
+        if dual_transformer is None and sidecar.exists():
+            dual_transformer = json.loads(sidecar.read_text()).get("dual_transformer")
+        pipe = WanPipeline.from_pretrained(str(path), dtype=torch_dtype)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, dual_transformer)
+
+    # -- static facts the ingress validates against -------------------------------------
+    @property
+    def spatial_factor(self) -> int:
+        """Width and height must be multiples of this (pixels): VAE factor × patch size."""
+        return self.pipe.vae_scale_factor_spatial * int(self.transformer.config.patch_size[1])
+
+    @property
+    def temporal_factor(self) -> int:
+        """num_frames must be ``temporal_factor · k + 1`` (Wan's VAE: 4)."""
+        return int(self.pipe.vae_scale_factor_temporal)
+
+    @property
+    def transformers(self) -> dict[str, torch.nn.Module]:
+        """The transformers this model runs: ``transformer`` and, in a dual mode, ``transformer_2``."""
+        out = {"transformer": self.transformer}
+        if self.dual_mode is not None:
+            out["transformer_2"] = self.transformer_2
+        return out
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.transformer.config.num_attention_heads)
+
+    def latent_frames(self, num_frames: int) -> int:
+        return (num_frames - 1) // self.temporal_factor + 1
+
+    def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
+        """Tokens per sample: latent frames × patches per frame, and UMT5 text tokens."""
+        f = self.spatial_factor
+        return {"image tokens": self.latent_frames(num_frames) * (height // f) * (width // f),
+                "text tokens": self.max_sequence_length}
+
+    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
+        """Shard every transformer's sequence across the replica's ranks (``parallel.wan``)."""
+        from parallel.wan import enable_sequence_parallel
+
+        for transformer in self.transformers.values():
+            enable_sequence_parallel(transformer, config, mesh, rank)
+
+    # -- one batch ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> WanConditioning:
+        """Encode B prompts with UMT5, padded to ``max_sequence_length`` (as ``WanPipeline``)."""
+        embeds = self.pipe._get_t5_prompt_embeds(prompt=prompts, num_videos_per_prompt=1,
+                                                 max_sequence_length=self.max_sequence_length, device=self.device)
+        return WanConditioning(embeds.to(self.dtype))
+
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params):
+        """Initial noise (B, z_dim, latent frames, height/8, width/8) float32, one generator
+        per request drawing that request's ``count`` samples; Wan needs no position ids."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (self.transformer.config.in_channels, self.latent_frames(params.num_frames),
+                 params.height // self.pipe.vae_scale_factor_spatial, params.width // self.pipe.vae_scale_factor_spatial)
+        noise = [randn_tensor((count, *shape), generator=g, device=self.device, dtype=torch.float32)
+                 for g, count in zip(generators, counts)]
+        return torch.cat(noise), None
+
+    def scheduler_and_timesteps(self, num_inference_steps: int, latents: torch.Tensor):
+        """A fresh copy of the checkpoint's scheduler (UniPC flow prediction for Wan) and its timesteps."""
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler.set_timesteps(num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler, scheduler.timesteps
+
+    def guidance(self, guidance_scale: float, batch: int) -> None:
+        """Wan has no guidance embedding."""
+        return None
+
+    @torch.no_grad()
+    def predict(self, latents, t, cond: WanConditioning, guidance, positions, model: str = "transformer",
+                branch: str = "cond"):
+        """One call of transformer ``model``: latents (B, C, T, h, w) → flow (B, C, T, h, w)."""
+        transformer = self.transformers[model]
+        x = latents.to(self.dtype)
+        with transformer.cache_context(branch):
+            return transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+                               encoder_hidden_states=cond.prompt_embeds, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Latents → videos (B, num_frames, height, width, 3) float32 in [0, 1]."""
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        return self.pipe.video_processor.postprocess_video(video, output_type="np")

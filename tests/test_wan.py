@@ -1,0 +1,249 @@
+"""Wan family: our loop equals diffusers' WanPipeline; boundary experts and paired-per-step
+transformers run the steps they should (counted with forward hooks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.contract import ServingLimits, VideoGenerationRequest
+from pipeline.families import load_family
+from pipeline.loop import denoise_batch, gate_step, step_plan, steps_per_transformer
+from pipeline.sampling import resolve_video
+from pipeline.tiny.build import TinyWanArch, ensure_tiny_wan
+
+TOL = 1e-4  # max abs pixel difference, frames in [0, 1]
+
+
+def load(dual=None):
+    return load_family("wan", ensure_tiny_wan(arch=TinyWanArch(dual=dual)), torch_dtype=torch.float32,
+                       device="cpu")
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load()
+
+
+@pytest.fixture(scope="module")
+def wan_moe():
+    return load("boundary")
+
+
+@pytest.fixture(scope="module")
+def wan_paired():
+    return load("paired")
+
+
+def limits_for(family, name="tiny-wan") -> ServingLimits:
+    return ServingLimits(name, family.spatial_factor, 64, 48, 6, 5.0, guidance_embeds=False,
+                         cfg_style=family.cfg_style, dual_mode=family.dual_mode,
+                         temporal_factor=family.temporal_factor, default_num_frames=9, max_frames=33,
+                         default_boundary_ratio=family.boundary_ratio)
+
+
+def params(family, prompt, seed, **fields):
+    limits = limits_for(family)
+    request = VideoGenerationRequest.model_validate({"prompt": prompt, "seed": seed, **fields},
+                                                    context={"limits": limits})
+    return resolve_video(request, limits, request_id=f"v{seed}")
+
+
+def reference(family, p, guidance_scale_2=None) -> np.ndarray:
+    kwargs = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
+    return family.pipe(
+        prompt=p.prompt, negative_prompt=p.negative_prompt, height=p.height, width=p.width,
+        num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
+        guidance_scale=p.true_cfg_scale if p.do_true_cfg else 1.0,
+        generator=[torch.Generator().manual_seed(p.seed)], max_sequence_length=family.max_sequence_length,
+        output_type="np", **kwargs).frames
+
+
+def test_wan_loop_equals_wan_pipeline_with_cfg(wan):
+    p = params(wan, "a red circle", 3, negative_prompt="blurry", guidance_scale=4.0)
+    assert p.do_true_cfg and p.num_frames == 9
+    ours = denoise_batch(wan, [p]).images[0]
+    theirs = reference(wan, p)
+    assert ours.shape == theirs.shape == (1, 9, 48, 64, 3)
+    assert np.abs(ours - theirs).max() <= TOL
+
+
+def test_wan_batch_of_two_equals_each_alone(wan):
+    a = params(wan, "a red circle", 1, guidance_scale=4.0)
+    b = params(wan, "a blue square on a green background", 2, guidance_scale=4.0, negative_prompt="dark")
+    out = denoise_batch(wan, [a, b]).images
+    for p, frames in zip((a, b), out):
+        assert np.abs(frames - reference(wan, p)).max() <= TOL
+
+
+def test_wan_without_guidance_runs_one_forward_per_step(wan):
+    p = params(wan, "a red circle", 5, guidance_scale=1.0)
+    assert not p.do_true_cfg
+    out = denoise_batch(wan, [p])
+    assert out.calls == {"transformer": 6}
+    assert np.abs(out.images[0] - reference(wan, p)).max() <= TOL
+
+
+def test_boundary_experts_equal_wan22_pipeline(wan_moe):
+    p = params(wan_moe, "a green star", 7, guidance_scale=4.0, guidance_scale_2=2.5, num_inference_steps=8)
+    out = denoise_batch(wan_moe, [p])
+    assert np.abs(out.images[0] - reference(wan_moe, p, guidance_scale_2=2.5)).max() <= TOL
+
+
+def _count_forwards(family):
+    counts = {name: 0 for name in family.transformers}
+    hooks = [module.register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
+             for name, module in family.transformers.items()]
+    return counts, hooks
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 0.875, 1.0])
+def test_boundary_experts_run_the_expected_steps(wan_moe, ratio):
+    p = params(wan_moe, "a green star", 7, guidance_scale=4.0, boundary_ratio=ratio, num_inference_steps=8)
+    scheduler, timesteps = wan_moe.scheduler_and_timesteps(8, None)
+    high = sum(float(t) >= ratio * 1000 for t in timesteps)
+    counts, hooks = _count_forwards(wan_moe)
+    try:
+        out = denoise_batch(wan_moe, [p])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert counts == {"transformer": 2 * high, "transformer_2": 2 * (8 - high)}  # cond + uncond per step
+    assert out.calls == {k: v for k, v in counts.items() if v}
+    plan = step_plan(timesteps, p, "boundary", wan_moe.boundary_ratio)
+    steps = steps_per_transformer(plan, 8)
+    assert {k: len(v) for k, v in steps.items()} == {k: v // 2 for k, v in counts.items() if v}
+    assert sorted(sum(steps.values(), [])) == list(range(8))  # the experts split the schedule
+    if ratio == 1.0:
+        assert high == 0  # every timestep is below 1000
+    if ratio == 0.0:
+        assert high == 8
+
+
+def test_paired_per_step_calls_both_transformers_every_step(wan_paired):
+    p = params(wan_paired, "a yellow ring", 11, guidance_scale=2.0, num_inference_steps=6)
+    assert p.do_true_cfg and p.negative_prompt is None
+    counts, hooks = _count_forwards(wan_paired)
+    try:
+        out = denoise_batch(wan_paired, [p])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert counts == {"transformer": 6, "transformer_2": 6}
+    assert out.images[0].shape == (1, 9, 48, 64, 3)
+    # scale 1 means the guide cancels out: the result is transformer alone (still calling both).
+    one = params(wan_paired, "a yellow ring", 11, guidance_scale=1.0, num_inference_steps=6)
+    counts, hooks = _count_forwards(wan_paired)
+    try:
+        alone = denoise_batch(wan_paired, [one])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert counts == {"transformer": 6, "transformer_2": 6}
+    assert not np.allclose(alone.images[0], out.images[0])
+
+
+def test_paired_gating_skips_the_guide_after_the_gate(wan_paired):
+    p = params(wan_paired, "a yellow ring", 11, guidance_scale=2.0, num_inference_steps=6, cfg_gate_step=0.5)
+    counts, hooks = _count_forwards(wan_paired)
+    try:
+        out = denoise_batch(wan_paired, [p])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert gate_step(p, 6) == 3
+    assert counts == {"transformer": 6, "transformer_2": 3} and out.cfg_reused_steps == 3
+
+
+# -- Cache-DiT on both transformers ---------------------------------------------------------
+
+def _contexts(transformer):
+    manager = getattr(transformer, "_context_manager", None)
+    if manager is None:
+        return None
+    (context,) = manager._cached_context_manager.values()
+    return context.cache_config
+
+
+def _run(runner, p):
+    from pipeline.runner import Batch
+    from pipeline.signature import BatchSignature
+
+    return runner.run(Batch("b", BatchSignature.of(p), (p,)))[0]
+
+
+@pytest.fixture(scope="module")
+def moe_runner():
+    from pipeline.runner import BatchRunner
+
+    return BatchRunner("tiny-wan-moe")
+
+
+def test_dual_cache_dit_mount_refresh_unmount_with_secondary_inheritance(moe_runner):
+    runner = moe_runner
+    t1, t2 = runner.family.transformer, runner.family.transformer_2
+    knobs = {"Fn_compute_blocks": 2, "residual_diff_threshold": 0.5, "scm_compute_bins": [3, 1, 2],
+             "scm_cache_bins": [1, 1], "secondary": {"Fn_compute_blocks": 3}}
+    p = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=8, enable_cache_dit=True,
+               cache_dit_params=knobs)
+    out = _run(runner, p)
+    high = len(runner.run_steps["transformer"])
+    assert 0 < high < 8 and runner.run_steps["transformer_2"] == list(range(high, 8))
+    c1, c2 = _contexts(t1), _contexts(t2)
+    assert (c1.num_inference_steps, c2.num_inference_steps) == (high, 8 - high)  # split at the boundary
+    assert (c1.Fn_compute_blocks, c2.Fn_compute_blocks) == (2, 3)  # the secondary's own knob
+    assert c1.residual_diff_threshold == c2.residual_diff_threshold == 0.5  # inherited
+    full = [1, 1, 1, 0, 1, 0, 1, 1]  # compute 3, cache 1, compute 1, cache 1, compute 2
+    assert c1.steps_computation_mask == full[:high]
+    assert c2.steps_computation_mask == [1, *full[high + 1:]]  # each expert's context starts computing
+    assert c1.enable_separate_cfg and c2.enable_separate_cfg
+    meta = out.acceleration["cache_dit"]["transformers"]
+    assert {n: (m["transition"], m["steps"]) for n, m in meta.items()} == {
+        "transformer": ("mount", high), "transformer_2": ("mount", 8 - high)}
+
+    # Same knobs, another boundary: a refresh of both contexts, sized for the new split, bins kept.
+    q = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=8, enable_cache_dit=True,
+               cache_dit_params=knobs, boundary_ratio=0.5)
+    _run(runner, q)
+    high_q = len(runner.run_steps["transformer"])
+    assert high_q != high and runner.cache.last_transitions == {"transformer": "refresh", "transformer_2": "refresh"}
+    assert (_contexts(t1).num_inference_steps, _contexts(t2).num_inference_steps) == (high_q, 8 - high_q)
+    assert _contexts(t1).steps_computation_mask == full[:high_q]
+
+    # Cache-DiT off: hooks leave both transformers, and the output is the exact one.
+    exact = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=8)
+    plain = _run(runner, exact)
+    assert not hasattr(t1, "_context_manager") and not hasattr(t2, "_context_manager")
+    assert runner.cache.last_transitions == {"transformer": "unmount", "transformer_2": "unmount"}
+    from pipeline.families import load_family
+    fresh = load_family("wan", ensure_tiny_wan(arch=TinyWanArch(dual="boundary")), torch_dtype=torch.float32,
+                        device="cpu")
+    assert plain.videos == _run_family(fresh, exact)
+
+
+def _run_family(family, p):
+    from pipeline.media import encode_mp4
+
+    return [encode_mp4(v, p.fps) for v in denoise_batch(family, [p]).images[0]]
+
+
+def test_paired_cache_dit_secondary_uses_the_primary_config():
+    from pipeline.runner import BatchRunner
+
+    runner = BatchRunner("tiny-wan-paired")
+    p = params(runner.family, "a yellow ring", 2, guidance_scale=2.0, num_inference_steps=8, enable_cache_dit=True,
+               cache_dit_params={"Fn_compute_blocks": 1, "residual_diff_threshold": 0.3, "scm_preset": "fast"})
+    out = _run(runner, p)
+    c1, c2 = _contexts(runner.family.transformer), _contexts(runner.family.transformer_2)
+    for field in ("num_inference_steps", "Fn_compute_blocks", "residual_diff_threshold", "steps_computation_mask"):
+        assert getattr(c1, field) == getattr(c2, field), field
+    assert c1.num_inference_steps == 8 and not c1.enable_separate_cfg and not c2.enable_separate_cfg
+    assert out.acceleration["transformer_calls"] == {"transformer": 8, "transformer_2": 8}
+    # CFG gating at 0.5: the guide transformer's context is sized for the 4 steps it still runs.
+    gated = params(runner.family, "a yellow ring", 2, guidance_scale=2.0, num_inference_steps=8,
+                   enable_cache_dit=True, cfg_gate_step=0.5,
+                   cache_dit_params={"Fn_compute_blocks": 1, "residual_diff_threshold": 0.3, "scm_preset": "fast"})
+    out = _run(runner, gated)
+    assert _contexts(runner.family.transformer_2).num_inference_steps == 4
+    assert out.acceleration["transformer_calls"] == {"transformer": 8, "transformer_2": 4}
