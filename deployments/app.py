@@ -5,6 +5,7 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from deployments.autoscaling import autoscaling_config
 from deployments.config import AppConfig, with_env_overrides
 from deployments.ingress import Ingress
 from deployments.replica import DiTReplica
@@ -24,8 +25,13 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         router_config = RequestRouterConfig(request_router_class=SignatureAffinityRouter,
                                             request_routing_stats_period_s=batching.routing_stats_period_s)
     world_size = config.parallel.ulysses_degree * config.parallel.ring_degree
-    options = {"num_replicas": config.replica.num_replicas, "ray_actor_options": config.replica.ray_actor_options,
-               "request_router_config": router_config}
+    options = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config}
+    if config.replica.autoscaling is None:
+        options["num_replicas"] = config.replica.num_replicas
+    else:  # Serve scales DiTReplica on the Router's queue depth (deployments/autoscaling.py)
+        autoscaling = config.replica.autoscaling
+        options["autoscaling_config"] = autoscaling_config(
+            autoscaling.model_dump(), autoscaling.target_queued_per_replica or batching.max_batch_size)
     if world_size > 1:  # one bundle per rank; the replica actor (rank 0) takes bundle 0
         bundle = dict(config.replica.rank_resources)
         options["placement_group_bundles"] = [bundle] * world_size
@@ -44,5 +50,5 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     # (serve deploy, RayService) changes only them, Serve reconfigures the running Router /
     # Ingress replicas instead of restarting them, and leaves the DiTReplicas alone.
     ingress_config = config.model_dump(exclude={"acceleration", "batching"})
-    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.num_replicas)
+    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.initial_replicas)
     return Ingress.options(user_config=config.acceleration.model_dump()).bind(router, ingress_config)

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.accel import ATTENTION_BACKENDS, validate_cache_dit_params
 from pipeline.contract import parse_size
@@ -119,18 +119,66 @@ def with_env_overrides(args: dict, environ=os.environ) -> dict:
     return {**args, "acceleration": acceleration} if acceleration else dict(args)
 
 
+class AutoscalingSettings(_Strict):
+    """Autoscaling of DiTReplica on the Router's queue depth (``deployments.autoscaling``).
+
+    ``target_queued_per_replica``: images waiting in the Router per replica that Serve aims
+    for (``null``: the batching ``max_batch_size``, one full batch waiting per replica). The
+    other fields are Ray Serve's ``AutoscalingConfig`` fields with Serve's defaults:
+    ``min_replicas`` (at least 1: replicas report the queue), ``max_replicas``,
+    ``initial_replicas``, ``upscale_delay_s`` / ``downscale_delay_s`` (seconds a decision must
+    hold before Serve acts), ``look_back_period_s`` (seconds the queue is averaged over) and
+    ``metrics_interval_s`` (seconds between a replica's metric reports to the controller).
+    """
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=1, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=1)
+    target_queued_per_replica: float | None = Field(default=None, gt=0)
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+    look_back_period_s: float = Field(default=30.0, gt=0)
+    metrics_interval_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie in "
+                             f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
+        return self
+
+
 class ReplicaConfig(_Strict):
     """The DiTReplica deployment's options (Ray Serve's names).
 
-    ``rank_resources``: one placement-group bundle per rank when ``world_size > 1``
-    (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 8}`` on GPU); rank 0 is the replica actor
-    in bundle 0, ranks 1..N-1 are actors in the other bundles (``STRICT_PACK``).
+    ``num_replicas``: a fixed replica count; ``autoscaling`` (``AutoscalingSettings``) makes
+    Serve scale between ``min_replicas`` and ``max_replicas`` on the Router's queue depth
+    instead (give one or the other). ``rank_resources``: one placement-group bundle per rank
+    when ``world_size > 1`` (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 8}`` on GPU); rank 0
+    is the replica actor in bundle 0, ranks 1..N-1 are actors in the other bundles
+    (``STRICT_PACK``).
     """
 
     num_replicas: int = Field(default=1, ge=1)
+    autoscaling: AutoscalingSettings | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     torch_threads: int | None = Field(default=None, ge=1)
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
+
+    @model_validator(mode="after")
+    def _replicas(self):
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("give either num_replicas or autoscaling, not both")
+        return self
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas at start: ``num_replicas``, or the autoscaling initial/min count."""
+        if self.autoscaling is None:
+            return self.num_replicas
+        return self.autoscaling.initial_replicas or self.autoscaling.min_replicas
 
 
 class ParallelSettings(_Strict):

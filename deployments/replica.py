@@ -10,6 +10,7 @@ from ray import serve
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from deployments.autoscaling import router_queue_stats
 from deployments.rank_worker import RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.accel import freeze_cache_dit_params
@@ -75,6 +76,11 @@ class DiTReplica:
             raise RuntimeError(self._broken)
         if self._ranks is not None:
             self._ranks.check_alive()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, polled only when DiTReplica autoscales: the
+        Router's queue (images, requests), which ``RouterQueuePolicy`` scales on."""
+        return await router_queue_stats(serve.get_replica_context().app_name)
 
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,

@@ -260,6 +260,12 @@ class Router:
             "counters": dict(self._counters),
         }
 
+    def queue_depth(self) -> dict[str, int]:
+        """Requests and images (a request counts ``n``) queued here, not yet dispatched: the
+        signal DiTReplica autoscales on (``deployments.autoscaling``)."""
+        return {"requests": self._queued,
+                "images": sum(p.params.n for queue in self._queues.values() for p in queue)}
+
     async def __del__(self):
         """Serve calls this after draining (graceful_shutdown_timeout_s): answer what is left."""
         self._draining = True

@@ -4,6 +4,9 @@ Each manifest embeds its config file verbatim as ``spec.serveConfigV2`` (a test 
 them and fails on drift). GPU configs get a CPU-only head (``num-gpus: "0"``) and a GPU
 worker group whose pods' ``nvidia.com/gpu`` limit equals one replica's placement-group
 bundles; the model checkpoint comes from a PersistentVolumeClaim mounted at ``/models``.
+A config whose DiTReplica autoscales (``replica.autoscaling``) gets KubeRay's in-tree Ray
+autoscaler and a worker group sized from ``min_replicas`` to ``max_replicas`` replicas, so the
+pods for a replica Serve adds are created on demand and removed when idle.
 
     python k8s/generate.py          # rewrites k8s/*.rayservice.yaml
 """
@@ -18,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 RAY_VERSION = "2.60.0"
 IMAGE = "ditserve:0.1.0"  # build from the repository (see k8s/README.md)
-MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, worker replicas)
+MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, worker pods without autoscaling)
     "tiny-cpu-cluster.yaml": ("ditserve-tiny-cpu", 0, 1),
     "flux-dev-1gpu.yaml": ("ditserve-flux-dev-1gpu", 1, 1),
     "flux-dev-4gpu.yaml": ("ditserve-flux-dev-4gpu", 4, 1),
@@ -33,6 +36,14 @@ def gpus_per_replica(args: dict) -> int:
     if world > 1:
         return int(world * replica.get("rank_resources", {}).get("GPU", 0))
     return int(replica.get("ray_actor_options", {}).get("num_gpus", 0))
+
+
+def replica_range(args: dict) -> tuple[int, int]:
+    """(fewest, most) DiTReplicas: ``num_replicas`` twice, or autoscaling's min and max."""
+    replica = args.get("replica", {})
+    if scaling := replica.get("autoscaling"):
+        return scaling.get("min_replicas", 1), scaling.get("max_replicas", 1)
+    return (replica.get("num_replicas", 1),) * 2
 
 
 def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool) -> dict:
@@ -57,6 +68,13 @@ def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool) -> dic
 def manifest(config_file: str) -> dict:
     name, gpus, workers = MANIFESTS[config_file]
     text = (ROOT / "configs" / config_file).read_text()
+    args = next(a for a in yaml.safe_load(text)["applications"]
+                if a["import_path"] == "deployments.app:build_app")["args"]
+    autoscaling = bool(args.get("replica", {}).get("autoscaling"))
+    min_workers = max_workers = workers
+    if autoscaling and gpus:  # pods hold whole replicas: pods follow the replica count
+        pods_per_replica = gpus_per_replica(args) // gpus
+        min_workers, max_workers = (n * pods_per_replica for n in replica_range(args))
     volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "ditserve-models"}}] if gpus else []
     head = _container("ray-head", 0, "4", "16Gi", probes=True)
     if gpus:
@@ -77,13 +95,14 @@ def manifest(config_file: str) -> dict:
             "deploymentUnhealthySecondThreshold": 900,
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                **({"enableInTreeAutoscaling": True} if autoscaling else {}),
                 "headGroupSpec": {
                     "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
                     "template": {"spec": {"containers": [head], **({"volumes": volumes} if volumes else {})}},
                 },
                 "workerGroupSpecs": [{
                     "groupName": "gpu-workers" if gpus else "cpu-workers",
-                    "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
+                    "replicas": min_workers, "minReplicas": min_workers, "maxReplicas": max_workers,
                     "rayStartParams": {},
                     "template": {"spec": {"containers": [worker], **({"volumes": volumes} if volumes else {}),
                                           **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -112,7 +131,7 @@ def render(config_file: str) -> str:
 
 
 def main() -> int:
-    for config_file, (name, _, _) in MANIFESTS.items():
+    for config_file in MANIFESTS:
         out = ROOT / "k8s" / f"{config_file.removesuffix('.yaml')}.rayservice.yaml"
         out.write_text(render(config_file))
         print(f"wrote {out.relative_to(ROOT)}")

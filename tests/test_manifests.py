@@ -48,10 +48,15 @@ def test_manifest_is_a_valid_rayservice(path):
     cluster = manifest["spec"]["rayClusterConfig"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     per_replica = _generate().gpus_per_replica(app["args"])
-    replicas = app["args"].get("replica", {}).get("num_replicas", 1)
-    worker_gpus = sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) * g["maxReplicas"]
-                      for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])
-    assert per_replica * replicas <= worker_gpus or per_replica == 0
+    fewest, most = _generate().replica_range(app["args"])  # num_replicas, or autoscaling's min..max
+    worker_gpus = {bound: sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) * g[bound]
+                              for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])
+                   for bound in ("minReplicas", "maxReplicas")}
+    assert per_replica * most <= worker_gpus["maxReplicas"] or per_replica == 0
+    if app["args"].get("replica", {}).get("autoscaling"):
+        # Serve adds replicas up to max_replicas; Ray's autoscaler must be able to add their pods.
+        assert cluster.get("enableInTreeAutoscaling") is True
+        assert per_replica * fewest <= worker_gpus["minReplicas"] or per_replica == 0
     pod_gpus = {int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
                 for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]}
     if per_replica:

@@ -1,0 +1,124 @@
+"""DiTReplica autoscaling on the Router's queue depth, through real Ray Serve autoscaling."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from ray.serve.config import AutoscalingContext
+
+from deployments.app import build_app
+from deployments.autoscaling import QUEUED_IMAGES, RouterQueuePolicy
+from deployments.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# tiny-flux, 1..2 replicas of 1 CPU; Serve acts on a decision at once (upscale_delay_s: 0) and
+# keeps the second replica for the rest of the test (downscale_delay_s: 600).
+AUTOSCALE_ARGS = {
+    "batching": {"max_batch_size": 1, "max_wait_ms": 0},
+    "replica": {"ray_actor_options": {"num_cpus": 1}, "torch_threads": 1,
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queued_per_replica": 2,
+                                "upscale_delay_s": 0, "downscale_delay_s": 600, "look_back_period_s": 2,
+                                "metrics_interval_s": 0.5}},
+}
+
+
+def _context(queued: dict, busy: float, current: int = 1) -> AutoscalingContext:
+    return AutoscalingContext(
+        deployment_id=None, deployment_name="DiTReplica", app_name="ditserve", current_num_replicas=current,
+        target_num_replicas=current, running_replicas=[], total_num_requests=busy, total_queued_requests=0.0,
+        aggregated_metrics={QUEUED_IMAGES: queued} if queued else {}, raw_metrics={},
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=0.0, config=None)
+
+
+@pytest.mark.parametrize("queued, busy, current, desired", [
+    ({}, 0, 1, 0),                      # no report yet, idle: Serve's bounds keep min_replicas
+    ({"r1": 8.0}, 1, 1, 2),             # 8 images waiting, target 4 per replica
+    ({"r1": 9.0, "r2": 3.0}, 2, 2, 3),  # the freshest (largest) report of the one Router counts
+    ({"r1": 0.0, "r2": 0.0}, 2, 2, 2),  # empty queue but both replicas busy: keep them
+    ({"r1": 0.0, "r2": 0.0}, 0.5, 2, 1),
+])
+def test_policy_table(queued, busy, current, desired):
+    assert RouterQueuePolicy(target_queued_per_replica=4)(_context(queued, busy, current))[0] == desired
+
+
+def test_config_becomes_serve_autoscaling_config_of_ditreplica():
+    app = build_app(AUTOSCALE_ARGS)
+    router = app._bound_deployment.init_args[0]._bound_deployment
+    replica = router.init_args[0]._bound_deployment
+    config = replica._deployment_config.autoscaling_config
+    assert replica.name == "DiTReplica"
+    assert (config.min_replicas, config.max_replicas, config.upscale_delay_s, config.downscale_delay_s,
+            config.look_back_period_s) == (1, 2, 0, 600, 2)
+    assert config.policy.policy_function == "deployments.autoscaling.RouterQueuePolicy"
+    assert config.policy.policy_kwargs == {"target_queued_per_replica": 2.0}
+    assert router.init_args[1] == 1  # the Router's capacity before it sees the replica set
+    # target_queued_per_replica defaults to the batching max_batch_size
+    default = build_app({"batching": {"max_batch_size": 4}, "replica": {"autoscaling": {"max_replicas": 3}}})
+    replica = default._bound_deployment.init_args[0]._bound_deployment.init_args[0]._bound_deployment
+    assert replica._deployment_config.autoscaling_config.policy.policy_kwargs == {"target_queued_per_replica": 4}
+
+
+def test_flux_4gpu_config_autoscales_whole_placement_groups():
+    from deployments.cli import load_serve_config
+
+    app = build_app(load_serve_config(ROOT / "configs" / "flux-dev-4gpu.yaml")["args"])
+    replica = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]._bound_deployment
+    config = replica._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas) == (1, 4)
+    assert config.policy.policy_kwargs == {"target_queued_per_replica": 4}
+    assert replica._replica_config.placement_group_bundles == [{"GPU": 1, "CPU": 8}] * 4
+
+
+@pytest.mark.parametrize("replica, message", [
+    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "max_replicas"),
+    ({"autoscaling": {"min_replicas": 0}}, "min_replicas"),
+    ({"autoscaling": {"max_replicas": 2, "initial_replicas": 3}}, "initial_replicas"),
+    ({"num_replicas": 2, "autoscaling": {"max_replicas": 2}}, "not both"),
+    ({"autoscaling": {"max_replica": 2}}, "max_replica"),
+])
+def test_bad_autoscaling_config_is_caught(replica, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate({"replica": replica})
+
+
+def _replicas_running() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get("ditserve")
+    if app is None or "DiTReplica" not in app.deployments:
+        return 0
+    return app.deployments["DiTReplica"].replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.slow
+def test_a_flooded_router_queue_adds_a_replica(deploy):
+    from ray import serve
+
+    deploy(AUTOSCALE_ARGS, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    assert _replicas_running() == 1
+    body = lambda i: {"prompt": f"a shape {i}", "seed": i, "num_inference_steps": 8, "size": "64x64"}
+    responses, sent, started = [], 0, time.monotonic()
+    deadline = started + 240  # a bound on the wait, not a timing assertion
+    while _replicas_running() < 2 and time.monotonic() < deadline:
+        queued = handle.stats.remote().result()["router"]["queued"]
+        for _ in range(max(0, 12 - queued)):  # keep the Router's queue above the target of 2 per replica
+            responses.append(handle.generate.remote(body(sent)))
+            sent += 1
+        time.sleep(0.5)
+    scaled_after_s = time.monotonic() - started
+    assert _replicas_running() == 2, serve.status().applications["ditserve"].deployments["DiTReplica"]
+    outputs = [r.result(timeout_s=300) for r in responses]
+    assert len({o.ditserve["request_id"] for o in outputs}) == sent
+    # The new replica takes batches: a burst after scale-up is spread over both.
+    burst = [handle.generate.remote(body(sent + i)) for i in range(8)]
+    replicas = {r.result(timeout_s=300).ditserve["replica"] for r in burst}
+    stats = handle.stats.remote().result()["router"]
+    print(f"second DiTReplica RUNNING {scaled_after_s:.1f}s after the flood began; {sent} requests flooded; "
+          f"burst served by {len(replicas)} replicas; router knows {len(stats['replicas'])}")
+    assert len(stats["replicas"]) == 2
+    assert len(replicas) == 2
