@@ -7,7 +7,11 @@ remount at a batch boundary. With random weights the residuals change a lot from
 step, so cache-dit's *dynamic* policy rarely caches (see issue 8); static-policy rows
 show what the masks themselves cost in quality.
 
-    python bench/accel.py [--steps 28] [--size 128x128] [--iters 3]
+The dual-transformer rows run the embedded tiny Wan 2.2-style models (``tiny-wan-moe``:
+boundary experts; ``tiny-wan-paired``: both transformers every step) on short videos and
+compare the decoded frames (before MP4 encoding) with the exact ones.
+
+    python bench/accel.py [--steps 28] [--size 128x128] [--iters 3] [--only flux|dual]
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from PIL import Image  # noqa: E402
 
 from pipeline.accel import freeze_cache_dit_params  # noqa: E402
 from pipeline.cache_dit_state import CacheKey  # noqa: E402
-from pipeline.contract import ServingLimits, validate_image_request  # noqa: E402
+from pipeline.contract import ServingLimits, validate_image_request, validate_video_request  # noqa: E402
 from pipeline.runner import Batch, BatchRunner  # noqa: E402
-from pipeline.sampling import resolve  # noqa: E402
+from pipeline.media import to_uint8  # noqa: E402
+from pipeline.sampling import resolve, resolve_video  # noqa: E402
 from pipeline.signature import BatchSignature  # noqa: E402
 
 
@@ -49,9 +54,18 @@ def main() -> None:
     ap.add_argument("--size", default="128x128")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--frames", type=int, default=17, help="frames of the dual-transformer videos")
+    ap.add_argument("--video-size", default="64x64")
+    ap.add_argument("--only", choices=("flux", "dual"))
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
+    if ns.only != "dual":
+        flux_rows(ns)
+    if ns.only != "flux":
+        dual_rows(ns)
 
+
+def flux_rows(ns) -> None:
     runner = BatchRunner("tiny-flux")
     limits = ServingLimits("tiny-flux", runner.facts().spatial_factor, 64, 64, ns.steps, 3.5,
                            max_pixels=1 << 22, num_blocks=runner.facts().num_blocks)
@@ -107,6 +121,63 @@ def main() -> None:
     runner.cache.primary.apply(None, ns.steps)
     print(f"Cache-DiT refresh at a batch boundary: {statistics.median(refresh):.2f} ms (median of 10)")
     print(f"Cache-DiT remount at a batch boundary: {statistics.median(remount):.2f} ms (median of 10)")
+
+
+def frames_psnr(a: np.ndarray, b: np.ndarray) -> float:
+    x, y = to_uint8(a).astype(np.float64), to_uint8(b).astype(np.float64)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def dual_rows(ns) -> None:
+    """Cache-DiT on both transformers and CFG gating, for boundary experts and paired models."""
+    secondary_strict = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4,
+                        "secondary": {"residual_diff_threshold": 0.2}}
+    loose = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}
+    models = {
+        "tiny-wan-moe": [
+            ("DBCache Fn=1 thr=0.5, both experts", {"enable_cache_dit": True, "cache_dit_params": loose}),
+            ("  + secondary thr=0.2", {"enable_cache_dit": True, "cache_dit_params": secondary_strict}),
+            ("SCM fast (static), both experts", {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": "fast", "scm_policy": "static"}}),
+            ("CFG gating 0.5", {"cfg_gate_step": 0.5}),
+        ],
+        "tiny-wan-paired": [
+            ("DBCache Fn=1 thr=0.5, secondary=primary", {"enable_cache_dit": True, "cache_dit_params": loose}),
+            ("SCM fast (static), secondary=primary", {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": "fast", "scm_policy": "static"}}),
+            ("guide gating 0.5 (skip transformer_2)", {"cfg_gate_step": 0.5}),
+        ],
+    }
+    for model, rows in models.items():
+        runner = BatchRunner(model)
+        limits = runner.facts().limits(model, {
+            "default_size": ns.video_size, "default_steps": ns.steps, "default_guidance_scale": 4.0, "max_n": 1,
+            "max_pixels": 1 << 22, "max_steps": 100, "max_prompt_chars": 2000, "default_num_frames": ns.frames,
+            "default_fps": 8, "max_frames": 1 << 10})
+
+        def batch(body: dict) -> Batch:
+            body = {"prompt": "a red circle on a blue background", "seed": 0, **body}
+            p = resolve_video(validate_video_request(body, limits), limits)
+            return Batch("bench", BatchSignature.of(p), (p,))
+
+        print(f"\n{model} {ns.video_size} x {ns.frames} frames, {ns.steps} steps, guidance 4.0, "
+              f"{ns.threads} threads, median of {ns.iters} alternated runs")
+        print(f"{'setting':40s} {'speed':>7s} {'PSNR dB':>8s} {'cached steps per transformer':>30s}")
+        exact_b = batch({})
+        for name, accel in rows:
+            accel_b = batch(accel)
+            exact_ms, accel_ms = [], []
+            for _ in range(ns.iters + 1):  # first round warms both paths
+                e, _ = runner.denoise(exact_b)
+                a, _ = runner.denoise(accel_b)
+                exact_ms.append(e.denoise_ms)
+                accel_ms.append(a.denoise_ms)
+            cached = runner.cache.cached_steps()
+            ran = {k: len(v) for k, v in runner.run_steps.items()}
+            ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+            detail = ", ".join(f"{k} {cached[k]}/{ran.get(k, 0)}" for k in cached)
+            print(f"{name:40s} {ratio:6.2f}x {frames_psnr(a.images[0], e.images[0]):8.1f} {detail:>30s}")
 
 
 if __name__ == "__main__":

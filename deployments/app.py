@@ -49,6 +49,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     # Batching knobs and acceleration defaults are Serve user_configs: when a Serve config file
     # (serve deploy, RayService) changes only them, Serve reconfigures the running Router /
     # Ingress replicas instead of restarting them, and leaves the DiTReplicas alone.
-    ingress_config = config.model_dump(exclude={"acceleration", "batching"})
-    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.initial_replicas)
+    ingress_config = config.model_dump(exclude={"acceleration", "batching", "videos"})
+    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.initial_replicas,
+                                                                    config.videos.model_dump())
     return Ingress.options(user_config=config.acceleration.model_dump()).bind(router, ingress_config)

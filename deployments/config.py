@@ -24,6 +24,9 @@ class ModelConfig(_Strict):
     family: str | None = None  # detected from model_index.json when omitted
     dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
     device: str = "cpu"
+    # Execution mode of a second transformer: "boundary" (Wan 2.2 experts, the default when
+    # the pipeline has a boundary_ratio) or "paired"; null: what the checkpoint declares.
+    dual_transformer: str | None = Field(default=None, pattern="^(boundary|paired)$")
 
 
 class LimitsConfig(_Strict):
@@ -36,6 +39,11 @@ class LimitsConfig(_Strict):
     max_pixels: int = Field(default=256 * 256, ge=1)
     max_steps: int = Field(default=100, ge=1)
     max_prompt_chars: int = Field(default=2000, ge=1)
+    # Video models only: frames when a request gives neither seconds nor num_frames, the MP4
+    # frame rate when it gives no fps (frames per second), and the most frames a video may have.
+    default_num_frames: int = Field(default=9, ge=1)
+    default_fps: int = Field(default=8, ge=1, le=120)
+    max_frames: int = Field(default=33, ge=1)
 
     @field_validator("default_size")
     @classmethod
@@ -63,6 +71,15 @@ class BatchingConfig(_Strict):
     affinity: bool = True
     max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
     routing_stats_period_s: float = Field(default=1.0, gt=0)
+
+
+class VideoJobsConfig(_Strict):
+    """Retention of finished video jobs in the Router: each is kept ``ttl_s`` seconds after it
+    completes or fails and at most ``max_finished`` are kept (the oldest go first); then its
+    id answers 404."""
+
+    ttl_s: float = Field(default=3600.0, gt=0)
+    max_finished: int = Field(default=100, ge=1)
 
 
 class AccelerationConfig(_Strict):
@@ -197,3 +214,4 @@ class AppConfig(_Strict):
     acceleration: AccelerationConfig = Field(default_factory=AccelerationConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
+    videos: VideoJobsConfig = Field(default_factory=VideoJobsConfig)

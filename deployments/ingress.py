@@ -7,17 +7,18 @@ problem, and never reaches the router. Only this module maps errors to HTTP stat
 
 import base64
 import json
+import re
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from pipeline.contract import (ImageData, ImageGenerationRequest, ImageGenerationResponse, ServingLimits,
-                               parse_size, validate_image_request)
-from pipeline.errors import DitServeError, InternalError, InvalidRequestError, OverloadedError, ServiceUnavailableError
-from pipeline.sampling import AccelerationDefaults, resolve
 from pipeline.accel import freeze_cache_dit_params
+from pipeline.contract import (ImageData, ImageGenerationRequest, ImageGenerationResponse, ServingLimits,
+                               VideoGenerationRequest, VideoJob, validate_image_request, validate_video_request)
+from pipeline.errors import DitServeError, InternalError, InvalidRequestError, OverloadedError, ServiceUnavailableError
+from pipeline.sampling import AccelerationDefaults, resolve, resolve_video
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 
@@ -38,10 +39,55 @@ async def _ditserve_error(_request: Request, exc: DitServeError) -> JSONResponse
     return error_response(exc)
 
 
+_FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]+\])*)$")
+_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds"}
+
+
+def form_to_body(items: list[tuple[str, str]]) -> dict:
+    """A multipart/url-encoded form (how OpenAI's SDK sends ``videos.create``) → a JSON body.
+
+    Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
+    objects; values of fields other than the text fields are read as JSON when they parse
+    (``8`` → 8, ``true`` → True), else kept as text, and validation then names bad ones.
+    """
+    body: dict = {}
+    for key, value in items:
+        match = _FORM_KEY.match(key)
+        if not match:
+            raise InvalidRequestError(f"malformed form field name {key!r}", param=key)
+        path = [match.group(1), *re.findall(r"\[([^\[\]]+)\]", match.group(2))]
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{path[0]}: file uploads are not supported", param=path[0])
+        if path[0] not in _FORM_TEXT_FIELDS:
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        node = body
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InvalidRequestError(f"form field {key!r} mixes a value and an object", param=path[0])
+        node[path[-1]] = value
+    return body
+
+
+async def _video_body(request: Request) -> dict:
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await request.form()
+        return form_to_body(list(form.multi_items()))
+    try:
+        return json.loads(await request.body() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", param="body") from None
+
+
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
-    """HTTP routes and the handle API (``generate``, ``models``, ``stats``) of one application."""
+    """HTTP routes and the handle API (``generate``; ``submit_video``, ``video_status``,
+    ``video_content``, ``delete_video``; ``models``, ``stats``) of one application."""
 
     def __init__(self, router, config: dict):
         self._router = router
@@ -66,16 +112,7 @@ class Ingress:
             except Exception as exc:
                 raise ServiceUnavailableError(f"no replica is ready yet ({type(_unwrap(exc)).__name__})",
                                               code="not_ready") from None
-            lim = self._config["limits"]
-            width, height = parse_size(lim["default_size"])
-            self._limits = ServingLimits(
-                model_name=self._config["model"]["name"], spatial_factor=facts.spatial_factor,
-                default_width=width, default_height=height, default_steps=lim["default_steps"],
-                default_guidance_scale=lim["default_guidance_scale"], max_n=lim["max_n"],
-                max_pixels=lim["max_pixels"], max_steps=lim["max_steps"],
-                max_prompt_chars=lim["max_prompt_chars"], guidance_embeds=facts.guidance_embeds,
-                num_blocks=facts.num_blocks, attention_rejections=facts.attention_rejections,
-                world_size=facts.world_size)
+            self._limits = facts.limits(self._config["model"]["name"], self._config["limits"])
         return self._limits
 
     # -- handle API ---------------------------------------------------------------------
@@ -106,6 +143,35 @@ class Ingress:
             data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out.pngs],
             ditserve=metadata)
 
+    async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
+        """Create a video job (same contract as ``POST /v1/videos``) and return it at once.
+
+        Raises ``InvalidRequestError`` (every problem listed), ``ModelNotFoundError``,
+        ``OverloadedError`` or ``ServiceUnavailableError``.
+        """
+        limits = await self._serving_limits()
+        params = resolve_video(validate_video_request(request, limits), limits, self._defaults)
+        return VideoJob(**await self._call(self._router.create_job, params))
+
+    async def video_status(self, video_id: str) -> VideoJob:
+        """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404)."""
+        return VideoJob(**await self._call(self._router.get_job, video_id))
+
+    async def video_content(self, video_id: str) -> bytes:
+        """The finished job's MP4. Raises ``NotFoundError`` or ``InvalidRequestError`` (not completed)."""
+        return await self._call(self._router.job_content, video_id)
+
+    async def delete_video(self, video_id: str) -> dict:
+        """Delete (and cancel) a job. Raises ``NotFoundError``."""
+        return await self._call(self._router.delete_job, video_id)
+
+    @staticmethod
+    async def _call(method, *args):
+        try:
+            return await method.remote(*args)
+        except Exception as exc:
+            raise _unwrap(exc) from None
+
     async def models(self) -> dict:
         """OpenAI's model list: the one model this application serves."""
         return {"object": "list", "data": [
@@ -131,6 +197,26 @@ class Ingress:
                 raise cause from None
             raise InternalError(f"internal error ({type(cause).__name__})") from None
         return response.model_dump()
+
+    @api.post("/v1/videos")
+    async def http_create_video(self, request: Request):
+        body = await _video_body(request)
+        return (await self.submit_video(body)).model_dump()
+
+    @api.get("/v1/videos/{video_id}")
+    async def http_video(self, video_id: str):
+        return (await self.video_status(video_id)).model_dump()
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def http_video_content(self, video_id: str, variant: str = "video"):
+        if variant != "video":
+            raise InvalidRequestError(f"variant must be 'video' (the only asset served), got {variant!r}",
+                                      param="variant")
+        return Response(await self.video_content(video_id), media_type="video/mp4")
+
+    @api.delete("/v1/videos/{video_id}")
+    async def http_delete_video(self, video_id: str):
+        return await self.delete_video(video_id)
 
     @api.get("/v1/models")
     async def http_models(self):

@@ -88,10 +88,11 @@ class RankGroup:
         ray.get(joined)
         runner.enable_sequence_parallel(self.config, mesh, 0)
 
-    async def run(self, batch: Batch):
-        """Run ``batch`` on every rank; rank 0's outputs. A failed rank fails the batch."""
+    async def run(self, batch: Batch, on_step=None):
+        """Run ``batch`` on every rank; rank 0's outputs (``on_step`` follows rank 0's steps).
+        A failed rank fails the batch."""
         pending = [w.run_batch.remote(batch) for w in self.workers]
-        outputs, *_ = await asyncio.gather(asyncio.to_thread(self.runner.run, batch), *pending)
+        outputs, *_ = await asyncio.gather(asyncio.to_thread(self.runner.run, batch, on_step), *pending)
         return outputs
 
     def run_sync(self, batch: Batch):

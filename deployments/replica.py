@@ -14,9 +14,9 @@ from deployments.autoscaling import router_queue_stats
 from deployments.rank_worker import RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.accel import freeze_cache_dit_params
-from pipeline.contract import ImageGenerationRequest, ServingLimits, parse_size
+from pipeline.contract import ImageGenerationRequest, VideoGenerationRequest
 from pipeline.runner import Batch, ModelFacts, RequestOutput
-from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import BatchSignature
 
 # Fault injection for chaos tests and drills: a batch whose signature text contains this
@@ -24,20 +24,23 @@ from pipeline.signature import BatchSignature
 FAULT_ENV = "DITSERVE_FAIL_SIGNATURES_CONTAINING"
 
 
-def default_params(model_name: str, acceleration: dict, limits: dict, guidance_embeds: bool) -> SamplingParams:
-    """The warmup request: the server's default size, steps and acceleration settings."""
-    width, height = parse_size(limits.get("default_size", "64x64"))
-    serving = ServingLimits(model_name, 1, width, height, limits.get("default_steps", 16),
-                            limits.get("default_guidance_scale", 3.5), guidance_embeds=guidance_embeds)
+def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
+    """The warmup request: the server's default size, frames, steps and acceleration settings."""
+    from deployments.config import LimitsConfig
+
+    serving = facts.limits(model_name, LimitsConfig.model_validate(limits).model_dump())
     defaults = AccelerationDefaults(acceleration.get("enable_cache_dit", False),
                                     freeze_cache_dit_params(acceleration.get("cache_dit_params")),
                                     acceleration.get("cfg_gate_step", 1.0), acceleration.get("attention_backend"))
+    if facts.temporal_factor:
+        return resolve_video(VideoGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 
 @serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
 class DiTReplica:
-    """Loads the checkpoint at start; ``run_batch`` executes one signature-homogeneous batch.
+    """Loads the checkpoint at start; ``run_batch`` executes one signature-homogeneous batch
+    and streams its progress.
 
     ``max_ongoing_requests=1`` makes Serve hand it one batch at a time; the batch runs in a
     worker thread so the actor stays responsive to health checks. It reports the signature
@@ -59,7 +62,7 @@ class DiTReplica:
                                     rank_resources or {"CPU": 1}, name_prefix=f"ditserve-{self._replica_id}")
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
-            head = default_params(model["name"], acceleration, limits or {}, self._runner.facts().guidance_embeds)
+            head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
             warmup = Batch("warmup", BatchSignature.of(head), (head,))
             self._runner.run(warmup) if self._ranks is None else self._ranks.run_sync(warmup)
         self._lock = asyncio.Lock()
@@ -86,7 +89,10 @@ class DiTReplica:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 **self._runner.state(), **self._runner.counters()}
 
-    async def run_batch(self, batch: Batch) -> list[RequestOutput]:
+    async def run_batch(self, batch: Batch):
+        """Run one batch; an async generator (called through a streaming handle): yields
+        ``{"step": done, "steps": total}`` as denoising steps complete, then the list of
+        RequestOutput in batch order. Raises what the model raises."""
         async with self._lock:
             digest = batch.signature.digest
             state_change = self._state is not None and self._state != digest
@@ -96,15 +102,32 @@ class DiTReplica:
             fault = os.environ.get(FAULT_ENV)
             if fault and fault in str(batch.signature):
                 raise RuntimeError(f"injected fault for signature {batch.signature}")
+            loop = asyncio.get_running_loop()
+            steps: asyncio.Queue = asyncio.Queue()
+
+            def on_step(done: int, total: int) -> None:  # called from the worker thread
+                loop.call_soon_threadsafe(steps.put_nowait, {"step": done, "steps": total})
+
             if self._ranks is None:
-                outputs = await asyncio.to_thread(self._runner.run, batch)
+                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step))
             else:
-                try:
-                    outputs = await self._ranks.run(batch)
-                except Exception as exc:
-                    if isinstance(exc, (RayActorError, RayTaskError)) or "Connection" in str(exc):
-                        self._broken = f"a rank failed during batch {batch.batch_id}: {type(exc).__name__}"
-                    raise
+                work = asyncio.ensure_future(self._ranks.run(batch, on_step))
+            while not work.done():
+                step = asyncio.ensure_future(steps.get())
+                await asyncio.wait({work, step}, return_when=asyncio.FIRST_COMPLETED)
+                if step.done():
+                    yield step.result()
+                else:
+                    step.cancel()
+            while not steps.empty():
+                yield steps.get_nowait()
+            try:
+                outputs = work.result()
+            except Exception as exc:
+                if self._ranks is not None and (isinstance(exc, (RayActorError, RayTaskError))
+                                                or "Connection" in str(exc)):
+                    self._broken = f"a rank failed during batch {batch.batch_id}: {type(exc).__name__}"
+                raise
         for out in outputs:
             out.metadata = {
                 "batch_id": batch.batch_id,
@@ -114,4 +137,4 @@ class DiTReplica:
                 "world_size": self._parallel.world_size,
                 "state_change": state_change,
             }
-        return outputs
+        yield outputs

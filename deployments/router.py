@@ -16,6 +16,7 @@ import uuid
 from collections import Counter as Tally
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -23,8 +24,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from deployments.config import BatchingConfig
 from deployments.request_router import router_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
-from pipeline.errors import (DitServeError, InternalError, OverloadedError, RequestTimeoutError,
-                             ServiceUnavailableError)
+from pipeline.errors import (DitServeError, InternalError, InvalidRequestError, NotFoundError, OverloadedError,
+                             RequestTimeoutError, ServiceUnavailableError)
 from pipeline.runner import Batch, ModelFacts, RequestOutput
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
@@ -41,6 +42,7 @@ class _Pending:
     params: SamplingParams
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
+    on_progress: Callable[[int, int], None] | None = None  # (steps done, steps) while its batch runs
 
     @property
     def cost(self) -> float:
@@ -58,9 +60,11 @@ class Router:
     ``capacity``: batches that may run at once while the replica set is not yet known.
     """
 
-    def __init__(self, replica, capacity: int):
+    def __init__(self, replica, capacity: int, videos: dict | None = None):
         self._replica = replica
+        self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
         self._capacity = capacity
+        self._jobs = JobStore(**(videos or {}))
         self.reconfigure_batching(BatchingConfig().model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
@@ -102,8 +106,10 @@ class Router:
         return self._facts
 
     # -- requests -----------------------------------------------------------------------
-    async def submit(self, params: SamplingParams) -> RequestOutput:
-        """Queue one request and wait for its output.
+    async def submit(self, params: SamplingParams, on_progress: Callable[[int, int], None] | None = None
+                     ) -> RequestOutput:
+        """Queue one request and wait for its output. ``on_progress(done, steps)`` (in-process
+        callers only) is called as its batch's denoising steps complete.
 
         Raises ``OverloadedError`` at once when ``max_queued_requests`` are waiting,
         ``ServiceUnavailableError`` while shutting down, ``RequestTimeoutError`` when
@@ -119,7 +125,7 @@ class Router:
             self._reject("overloaded")
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
-        pending = _Pending(params, asyncio.get_running_loop().create_future())
+        pending = _Pending(params, asyncio.get_running_loop().create_future(), on_progress=on_progress)
         signature = BatchSignature.of(params)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
@@ -221,7 +227,17 @@ class Router:
         for p in pending:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
         try:
-            outputs = await self._replica.run_batch.remote(batch)
+            outputs = None
+            async for event in self._stream.run_batch.remote(batch):
+                if isinstance(event, dict):  # {"step": done, "steps": total}
+                    for p in pending:
+                        if p.on_progress is not None:
+                            p.on_progress(event["step"], event["steps"])
+                else:
+                    outputs = event
+            if outputs is None or len(outputs) != len(pending):
+                raise RuntimeError(f"replica answered {0 if outputs is None else len(outputs)} outputs "
+                                   f"for {len(pending)} requests")
             for p, out in zip(pending, outputs):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
                 if not p.future.done():
@@ -260,6 +276,58 @@ class Router:
             "counters": dict(self._counters),
         }
 
+    # -- video jobs (OpenAI's video API: create, retrieve, content, delete) ----------------
+    async def create_job(self, params: SamplingParams) -> dict:
+        """Accept a video request as a job and return its object at once (``status: queued``).
+        The job moves to ``in_progress`` when its batch starts, ``progress`` follows the
+        denoising steps, and it ends ``completed`` or ``failed`` (with the error), never stuck.
+        Raises ``OverloadedError`` / ``ServiceUnavailableError`` as ``submit``."""
+        if self._draining:
+            raise ServiceUnavailableError("server is shutting down", code="shutting_down")
+        if self._queued >= self._max_queued:
+            self._reject("overloaded")
+            raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
+                                  code="overloaded", request_id=params.request_id)
+        job = self._jobs.add(params)
+        job.task = asyncio.get_running_loop().create_task(self._run_job(job))
+        return job.view()
+
+    async def _run_job(self, job: "Job") -> None:
+        def progress(done: int, steps: int) -> None:
+            job.status = "in_progress"
+            job.progress = max(job.progress, min(99, int(100 * done / steps)))
+
+        try:
+            job.output = await self.submit(job.params, on_progress=progress)
+            job.finish("completed")
+        except asyncio.CancelledError:
+            job.finish("failed", {"code": "cancelled", "message": "the job was deleted"})
+        except DitServeError as exc:
+            job.finish("failed", {"code": exc.code or type(exc).__name__, "message": str(exc)})
+        except Exception as exc:  # never leave a job in_progress
+            job.finish("failed", {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"})
+
+    def get_job(self, job_id: str) -> dict:
+        """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""
+        return self._jobs.get(job_id).view()
+
+    def job_content(self, job_id: str) -> bytes:
+        """The finished job's MP4 bytes. Raises ``NotFoundError`` (404), or
+        ``InvalidRequestError`` (400) while the job is not completed."""
+        job = self._jobs.get(job_id)
+        if job.status != "completed":
+            raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
+                                      param="video_id", code="video_not_ready")
+        return job.output.videos[0]
+
+    def delete_job(self, job_id: str) -> dict:
+        """Forget a job; a queued or running one is cancelled (it leaves its queue; a batch
+        already running finishes without it). Raises ``NotFoundError`` (404)."""
+        job = self._jobs.pop(job_id)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+        return {"id": job_id, "object": "video.deleted", "deleted": True}
+
     def queue_depth(self) -> dict[str, int]:
         """Requests and images (a request counts ``n``) queued here, not yet dispatched: the
         signal DiTReplica autoscales on (``deployments.autoscaling``)."""
@@ -278,3 +346,73 @@ class Router:
                     pending.future.set_exception(ServiceUnavailableError(
                         "server shut down before the request ran", code="shutting_down",
                         request_id=pending.params.request_id))
+
+
+@dataclass(eq=False)
+class Job:
+    """One video job: its request, state, output and timestamps (Unix seconds)."""
+
+    params: SamplingParams
+    created_at: float = field(default_factory=time.time)
+    status: str = "queued"
+    progress: int = 0
+    completed_at: float | None = None
+    ttl_s: float = 3600.0
+    error: dict | None = None
+    output: RequestOutput | None = None
+    task: asyncio.Task | None = None
+
+    def finish(self, status: str, error: dict | None = None) -> None:
+        self.status, self.error, self.completed_at = status, error, time.time()
+        if status == "completed":
+            self.progress = 100
+
+    def view(self) -> dict:
+        p = self.params
+        ditserve = {"num_frames": p.num_frames, "fps": p.fps, "seed": p.seed}
+        if self.output is not None:
+            ditserve.update(self.output.metadata, timings_ms=self.output.timings_ms,
+                            acceleration=self.output.acceleration)
+        return {"id": p.request_id, "object": "video", "model": p.model, "status": self.status,
+                "progress": self.progress, "created_at": int(self.created_at),
+                "completed_at": None if self.completed_at is None else int(self.completed_at),
+                "expires_at": None if self.completed_at is None else int(self.completed_at + self.ttl_s),
+                "size": f"{p.width}x{p.height}", "seconds": f"{p.num_frames / p.fps:g}", "error": self.error,
+                "ditserve": ditserve}
+
+
+class JobStore:
+    """Video jobs by id. Finished jobs are evicted ``ttl_s`` seconds after they finish, and
+    beyond ``max_finished`` finished jobs the oldest go first; running ones are never evicted."""
+
+    def __init__(self, ttl_s: float = 3600.0, max_finished: int = 100):
+        self.ttl_s = ttl_s
+        self.max_finished = max_finished
+        self._jobs: dict[str, Job] = {}
+
+    def add(self, params: SamplingParams) -> Job:
+        self.evict()
+        job = Job(params, ttl_s=self.ttl_s)
+        self._jobs[params.request_id] = job
+        return job
+
+    def get(self, job_id: str) -> Job:
+        self.evict()
+        if job_id not in self._jobs:
+            raise NotFoundError(f"no video job {job_id!r} (unknown, deleted, or expired after its retention)",
+                                param="video_id", code="video_not_found")
+        return self._jobs[job_id]
+
+    def pop(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        del self._jobs[job_id]
+        return job
+
+    def evict(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        finished = sorted((j for j in self._jobs.values() if j.completed_at is not None),
+                          key=lambda j: j.completed_at)
+        expired = [j for j in finished if j.completed_at + self.ttl_s <= now]
+        expired += [j for j in finished if j not in expired][:max(0, len(finished) - len(expired) - self.max_finished)]
+        for job in expired:
+            self._jobs.pop(job.params.request_id, None)

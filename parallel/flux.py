@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _g
 
 from parallel.attention import USPAttention
 from parallel.config import ParallelConfig
+from parallel.sharding import apply_sequence_split
 
 # diffusers AttentionBackendName value -> ditserve kernel name (per-request override)
 _BACKEND_TO_KERNEL = {"flash": "fa", "native": "torch_sdpa", "sage": "sage_attn", "_native_math": "torch_math"}
@@ -60,41 +61,10 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
 
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
-    """Shard ``transformer``'s sequence across the mesh: yunchang attention in every attention
-    layer, diffusers' split/gather hooks from ``transformer._cp_plan``."""
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ContextParallelConfig
-
-    device_type = transformer.device.type
-    usp = USPAttention(device_type, config.ring_degree)
+    """Shard a FLUX.1 ``transformer``'s sequence across the mesh: yunchang attention in every
+    attention layer, diffusers' split/gather hooks from ``transformer._cp_plan``."""
+    usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         if isinstance(getattr(module, "processor", None), FluxAttnProcessor):
             module.set_processor(USPFluxAttnProcessor(usp))
-    cp = ContextParallelConfig(ring_degree=config.ring_degree, ulysses_degree=config.ulysses_degree)
-    cp.setup(rank, config.world_size, transformer.device, mesh)
-    transformer._ditserve_cp = cp
-    apply_context_parallel(transformer, cp, transformer._cp_plan)
-
-
-class sequence_split_suspended:
-    """Context manager: take diffusers' split/gather hooks off while something else rewrites
-    ``transformer.forward`` (cache-dit's mount and unmount), then put them back on top, so
-    the sequence is split exactly once before whatever forward is current."""
-
-    def __init__(self, transformer: torch.nn.Module):
-        self.transformer = transformer
-        self.cp = getattr(transformer, "_ditserve_cp", None)
-
-    def __enter__(self):
-        if self.cp is not None:
-            from diffusers.hooks.context_parallel import remove_context_parallel
-
-            remove_context_parallel(self.transformer, self.transformer._cp_plan)
-        return self
-
-    def __exit__(self, *exc):
-        if self.cp is not None:
-            from diffusers.hooks.context_parallel import apply_context_parallel
-
-            apply_context_parallel(self.transformer, self.cp, self.transformer._cp_plan)
-        return False
+    apply_sequence_split(transformer, config, mesh, rank)

@@ -124,7 +124,7 @@ class CacheDiTExecutor:
     """
 
     def __init__(self, transformer: torch.nn.Module):
-        from parallel.flux import sequence_split_suspended
+        from parallel.sharding import sequence_split_suspended
 
         self._suspend_split = sequence_split_suspended  # cache-dit rewrites forward: keep SP hooks outermost
         self.transformer = transformer

@@ -51,6 +51,13 @@ class ModelNotFoundError(DitServeError):
     error_type = "invalid_request_error"
 
 
+class NotFoundError(DitServeError):
+    """404: no such video job (never created, deleted, or evicted after its retention)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
 class OverloadedError(DitServeError):
     """429: the router's queue bound is reached; retry after ``retry_after_s`` seconds."""
 

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.attention import KERNELS, AttentionSwitch, kernel_rejections
 from pipeline.cache_dit_state import CacheDiTState
+from pipeline.contract import ServingLimits, parse_size
 from pipeline.families import detect_family, load_family
 from pipeline.loop import denoise_batch, gate_step, separate_cfg_of, step_plan, steps_per_transformer
 from pipeline.media import encode_mp4, encode_png
@@ -72,6 +73,20 @@ class ModelFacts:
     dual_mode: str | None = None
     temporal_factor: int = 0  # 0: an image model
     boundary_ratio: float | None = None
+
+    def limits(self, model_name: str, limits: dict) -> ServingLimits:
+        """The validation context: these facts plus the config's ``limits`` section
+        (``deployments.config.LimitsConfig`` as a dict)."""
+        width, height = parse_size(limits["default_size"])
+        return ServingLimits(
+            model_name=model_name, spatial_factor=self.spatial_factor, default_width=width, default_height=height,
+            default_steps=limits["default_steps"], default_guidance_scale=limits["default_guidance_scale"],
+            max_n=limits["max_n"], max_pixels=limits["max_pixels"], max_steps=limits["max_steps"],
+            max_prompt_chars=limits["max_prompt_chars"], guidance_embeds=self.guidance_embeds,
+            num_blocks=self.num_blocks, attention_rejections=self.attention_rejections, world_size=self.world_size,
+            cfg_style=self.cfg_style, dual_mode=self.dual_mode, temporal_factor=self.temporal_factor,
+            default_num_frames=limits["default_num_frames"], default_fps=limits["default_fps"],
+            max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio)
 
 
 def resolve_checkpoint(name: str, path: str | None) -> Path | str:

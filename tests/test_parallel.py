@@ -41,9 +41,9 @@ def test_lse_kernel_is_exact_attention_with_its_log_sum_exp():
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-6)
 
 
-def _ranks(ray_cluster, layout: dict, acceleration: dict | None = None):
+def _ranks(ray_cluster, layout: dict, acceleration: dict | None = None, model: str = "tiny-flux"):
     config = ParallelConfig(**layout)
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": "tiny-flux"}, acceleration or {}, layout, 1)
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, acceleration or {}, layout, 1)
                for r in range(config.world_size)]
     port = free_port()
     ray.get([w.join.remote("127.0.0.1", port) for w in workers])
@@ -70,6 +70,31 @@ def test_two_ranks_equal_one_rank(ray_cluster, layout):
         sharded = _denoise(workers, batch)
         for a, b in zip(single.images, sharded.images):
             assert np.abs(a - b).max() <= 1e-4
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "ring_degree": 1}, {"ulysses_degree": 1, "ring_degree": 2}],
+                         ids=["ulysses2", "ring2"])
+def test_two_rank_wan_with_boundary_experts_equals_one_rank(ray_cluster, layout):
+    """Both experts of tiny Wan 2.2 run sharded (yunchang self-attention, local cross-attention)."""
+    from tests.test_wan import params as video_params
+
+    runner = BatchRunner("tiny-wan-moe")
+    fields = dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=6, size="64x64")
+    batch_params = (video_params(runner.family, "a red circle", 3, **fields),
+                    video_params(runner.family, "a green star at night", 4, **fields))
+    batch = Batch("b", BatchSignature.of(batch_params[0]), batch_params)
+    single = runner.denoise(batch)[0]
+    assert set(single.calls) == {"transformer", "transformer_2"}
+    workers = _ranks(ray_cluster, layout, model="tiny-wan-moe")
+    try:
+        sharded = _denoise(workers, batch)
+        assert sharded.calls == single.calls
+        for a, b in zip(single.images, sharded.images):
+            assert a.shape == (1, 9, 64, 64, 3) and np.abs(a - b).max() <= 1e-4
     finally:
         for w in workers:
             ray.kill(w)

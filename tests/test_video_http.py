@@ -1,0 +1,151 @@
+"""Video jobs over HTTP (OpenAI's client and plain JSON) and the handle, on the embedded tiny Wan.
+
+Real Ray Serve, real FFmpeg (PyAV) on both ends: the MP4 that comes back is decoded and its
+frame count and size checked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from deployments.replica import FAULT_ENV
+from deployments.router import JobStore
+from pipeline.media import decode_mp4
+from pipeline.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+# tiny-wan: 1 replica x 2 threads; the fault injection fails any batch at 7 steps.
+WAN_ARGS = {
+    "model": {"name": "tiny-wan"},
+    "limits": {"default_size": "64x48", "default_steps": 6, "default_guidance_scale": 4.0,
+               "default_num_frames": 9, "default_fps": 8, "max_frames": 17, "max_pixels": 96 * 96},
+    "replica": {"num_replicas": 1, "torch_threads": 2,
+                "ray_actor_options": {"num_cpus": 2, "runtime_env": {"env_vars": {FAULT_ENV: "steps=7 "}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def url(deploy):
+    return deploy(WAN_ARGS)
+
+
+def poll(url, video_id, timeout_s=120):
+    """Retrieve the job until it finishes; returns (final job, progress values seen)."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/videos/{video_id}", timeout=30).json()
+        seen.append(job["progress"])
+        if job["status"] in ("completed", "failed"):
+            return job, seen
+        time.sleep(0.05)
+    raise AssertionError(f"job {video_id} did not finish: {job}")
+
+
+def test_openai_client_creates_polls_and_downloads_an_mp4(url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    job = client.videos.create(model="tiny-wan", prompt="a red circle on a blue background", seconds="1",
+                               size="64x48", extra_body={"seed": 3, "fps": 8, "num_inference_steps": 12})
+    assert job.object == "video" and job.status in ("queued", "in_progress") and job.id.startswith("video_")
+    statuses, progress = [], []
+    while job.status not in ("completed", "failed"):
+        job = client.videos.retrieve(job.id)
+        statuses.append(job.status)
+        progress.append(job.progress)
+        time.sleep(0.02)
+    assert job.status == "completed", job.error
+    assert progress == sorted(progress) and progress[-1] == 100  # monotonic, ends at 100
+    assert any(0 < p < 100 for p in progress) or "in_progress" in statuses
+    data = client.videos.download_content(job.id).read()
+    frames, fps = decode_mp4(data)
+    assert frames.shape == (9, 48, 64, 3) and fps == 8  # 1 s at 8 fps -> 4·round(8/4) + 1 frames
+    assert job.seconds == "1.125" and job.size == "64x48"
+
+
+def test_json_request_with_num_frames_and_same_seed_same_video(url):
+    body = {"prompt": "a green star", "num_frames": 5, "seed": 11, "size": "32x32"}
+    first = httpx.post(f"{url}/v1/videos", json=body, timeout=30).json()
+    second = httpx.post(f"{url}/v1/videos", json=body, timeout=30).json()
+    (a, _), (b, _) = poll(url, first["id"]), poll(url, second["id"])
+    assert a["status"] == b["status"] == "completed"
+    assert a["ditserve"]["num_frames"] == 5 and a["ditserve"]["seed"] == 11
+    content = [httpx.get(f"{url}/v1/videos/{j['id']}/content", timeout=30) for j in (a, b)]
+    assert all(r.status_code == 200 and r.headers["content-type"] == "video/mp4" for r in content)
+    frames, _ = decode_mp4(content[0].content)
+    assert frames.shape == (5, 32, 32, 3)
+    assert content[0].content == content[1].content  # same seed, same bytes
+
+
+def test_handle_submit_status_content(url):
+    from ray import serve
+
+    handle = serve.get_app_handle("ditserve")
+    job = handle.submit_video.remote({"prompt": "a yellow ring", "num_frames": 5, "seed": 2}).result()
+    for _ in range(600):
+        job = handle.video_status.remote(job.id).result()
+        if job.status in ("completed", "failed"):
+            break
+        time.sleep(0.05)
+    assert job.status == "completed" and job.progress == 100
+    frames, _ = decode_mp4(handle.video_content.remote(job.id).result())
+    assert frames.shape[0] == 5
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "a", "num_frames": 10}, "num_frames"),
+    ({"prompt": "a", "num_frames": 21}, "num_frames"),
+    ({"prompt": "a", "size": "128x128"}, "size"),
+    ({"prompt": "a", "boundary_ratio": 0.5}, "boundary_ratio"),
+    ({"prompt": "a", "cache_dit_params": {"secondary": {"Fn_compute_blocks": 1}}}, "cache_dit_params"),
+])
+def test_bad_video_input_is_400_naming_the_field(url, body, field):
+    response = httpx.post(f"{url}/v1/videos", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+def test_unknown_deleted_and_unready_jobs(url):
+    assert httpx.get(f"{url}/v1/videos/video_nope", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/v1/videos/video_nope/content", timeout=30).status_code == 404
+    job = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 17, "num_inference_steps": 40},
+                     timeout=30).json()
+    early = httpx.get(f"{url}/v1/videos/{job['id']}/content", timeout=30)
+    assert early.status_code == 400 and early.json()["error"]["code"] == "video_not_ready"
+    deleted = httpx.delete(f"{url}/v1/videos/{job['id']}", timeout=30).json()
+    assert deleted == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert httpx.get(f"{url}/v1/videos/{job['id']}", timeout=30).status_code == 404
+    assert httpx.post(f"{url}/v1/images/generations", json={"prompt": "a"}, timeout=30).status_code == 400
+
+
+def test_failed_job_shows_failed_with_the_error_while_others_complete(url):
+    bad = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 7},
+                     timeout=30).json()
+    good = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 5}, timeout=30).json()
+    (bad_job, _), (good_job, _) = poll(url, bad["id"]), poll(url, good["id"])
+    assert bad_job["status"] == "failed" and bad_job["error"]["code"] == "batch_failed"
+    assert bad["id"] in bad_job["error"]["message"]
+    assert good_job["status"] == "completed"
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(f"video_{i}", "m", "p", None, 1, 32, 32, 5, 4, 0.0, 1.0, False, i, False, None, 1.0,
+                          None, "mp4", fps=8)
+
+
+def test_job_store_evicts_by_age_and_count():
+    store = JobStore(ttl_s=10, max_finished=2)
+    jobs = [store.add(_params(i)) for i in range(4)]
+    for i, job in enumerate(jobs[:3]):
+        job.finish("completed")
+        job.completed_at = 100.0 + i
+    store.evict(now=105.0)  # 3 finished, keep the newest 2; the running one stays
+    assert [j.params.request_id for j in store._jobs.values()] == ["video_1", "video_2", "video_3"]
+    store.evict(now=111.5)  # video_1 finished at 101: past its 10 s
+    assert "video_1" not in store._jobs and "video_2" in store._jobs and "video_3" in store._jobs
+    assert store._jobs["video_2"].view()["expires_at"] == 112
