@@ -132,12 +132,12 @@ def frames_psnr(a: np.ndarray, b: np.ndarray) -> float:
 def dual_rows(ns) -> None:
     """Cache-DiT on both transformers and CFG gating, for boundary experts and paired models."""
     secondary_strict = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4,
-                        "secondary": {"residual_diff_threshold": 0.2}}
+                        "secondary": {"residual_diff_threshold": 0.05}}
     loose = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}
     models = {
         "tiny-wan-moe": [
             ("DBCache Fn=1 thr=0.5, both experts", {"enable_cache_dit": True, "cache_dit_params": loose}),
-            ("  + secondary thr=0.2", {"enable_cache_dit": True, "cache_dit_params": secondary_strict}),
+            ("  + secondary thr=0.05", {"enable_cache_dit": True, "cache_dit_params": secondary_strict}),
             ("SCM fast (static), both experts", {"enable_cache_dit": True, "cache_dit_params": {
                 "scm_preset": "fast", "scm_policy": "static"}}),
             ("CFG gating 0.5", {"cfg_gate_step": 0.5}),

@@ -25,6 +25,7 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
     "tiny-cpu-cluster.yaml": ("ditserve-tiny-cpu", 0, 1),
     "flux-dev-1gpu.yaml": ("ditserve-flux-dev-1gpu", 1, 1),
     "flux-dev-4gpu.yaml": ("ditserve-flux-dev-4gpu", 4, 1),
+    "wan22-a14b-8gpu.yaml": ("ditserve-wan22-a14b-8gpu", 8, 1),
 }
 
 
@@ -36,6 +37,16 @@ def gpus_per_replica(args: dict) -> int:
     if world > 1:
         return int(world * replica.get("rank_resources", {}).get("GPU", 0))
     return int(replica.get("ray_actor_options", {}).get("num_gpus", 0))
+
+
+def cpus_per_replica(args: dict) -> int:
+    """CPUs one DiTReplica holds: its ranks' bundles with sequence parallelism, else its actor's num_cpus."""
+    parallel = args.get("parallel", {})
+    world = parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
+    replica = args.get("replica", {})
+    if world > 1:
+        return int(world * replica.get("rank_resources", {}).get("CPU", 1))
+    return int(replica.get("ray_actor_options", {}).get("num_cpus", 1))
 
 
 def replica_range(args: dict) -> tuple[int, int]:
@@ -83,7 +94,10 @@ def manifest(config_file: str) -> dict:
                               "failureThreshold": 6}
     head["livenessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "initialDelaySeconds": 120,
                              "periodSeconds": 30, "failureThreshold": 5}
-    worker = _container("ray-worker", gpus, "32" if gpus else "4", "128Gi" if gpus else "16Gi", probes=False)
+    # A GPU pod holds whole replicas: at least their bundles' CPUs, and 32 GiB of memory per GPU.
+    worker_cpus = str(max(32, cpus_per_replica(args) * gpus // max(gpus_per_replica(args), 1))) if gpus else "4"
+    worker = _container("ray-worker", gpus, worker_cpus, f"{max(128, 32 * gpus)}Gi" if gpus else "16Gi",
+                        probes=False)
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",

@@ -61,6 +61,9 @@ def test_manifest_is_a_valid_rayservice(path):
                 for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]}
     if per_replica:
         assert per_replica in pod_gpus  # one replica's placement group fits on one worker pod (STRICT_PACK)
+        pod_cpus = max(int(c["resources"]["limits"]["cpu"])
+                       for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])
+        assert _generate().cpus_per_replica(app["args"]) <= pod_cpus  # and its bundles' CPUs too
 
 
 def test_a_misspelled_field_is_caught():

@@ -10,6 +10,8 @@ import torch
 from pipeline.contract import ServingLimits, VideoGenerationRequest
 from pipeline.families import load_family
 from pipeline.loop import denoise_batch, gate_step, step_plan, steps_per_transformer
+from pipeline.runner import Batch
+from pipeline.signature import BatchSignature
 from pipeline.sampling import resolve_video
 from pipeline.tiny.build import TinyWanArch, ensure_tiny_wan
 
@@ -167,9 +169,6 @@ def _contexts(transformer):
 
 
 def _run(runner, p):
-    from pipeline.runner import Batch
-    from pipeline.signature import BatchSignature
-
     return runner.run(Batch("b", BatchSignature.of(p), (p,)))[0]
 
 
@@ -247,3 +246,23 @@ def test_paired_cache_dit_secondary_uses_the_primary_config():
     out = _run(runner, gated)
     assert _contexts(runner.family.transformer_2).num_inference_steps == 4
     assert out.acceleration["transformer_calls"] == {"transformer": 8, "transformer_2": 4}
+
+
+def test_attention_override_flips_every_layer_of_both_experts(moe_runner):
+    runner = moe_runner
+    layers = runner.attention.layers
+    per_transformer = [len([m for m in t.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")])
+                       for t in runner.family.transformers.values()]
+    assert len(layers) == sum(per_transformer) and min(per_transformer) == 20  # attn1 + attn2 x 10 blocks each
+    exact = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=4)
+    math = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=4,
+                  attention_backend_override="torch_math")
+    a = _run(runner, exact)
+    b = _run(runner, math)
+    assert {str(p._attention_backend) for p in layers} == {"AttentionBackendName._NATIVE_MATH"}
+    assert b.acceleration["attention_backend"] == "torch_math"
+    c = _run(runner, exact)
+    assert {p._attention_backend for p in layers} == {None}
+    assert a.videos == c.videos  # back to the default kernel, byte-identical
+    frames = [runner.denoise(Batch("b", BatchSignature.of(p), (p,)))[0].images[0] for p in (exact, math)]
+    assert np.abs(frames[0] - frames[1]).max() <= 1e-4  # math vs SDPA kernels: the same attention
