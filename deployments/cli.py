@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -76,13 +77,41 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
     return (response.model_extra or {}).get("ditserve", {})
 
 
+def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
+                   seconds: str | None = None, seed: int | None = None, steps: int | None = None,
+                   extra: dict | None = None, poll_s: float = 0.2, on_progress=None) -> dict:
+    """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
+    return the final job. Raises ``RuntimeError`` if the job fails (its error is the message)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600, max_retries=0)
+    body = dict(extra or {})
+    if seed is not None:
+        body["seed"] = seed
+    if steps is not None:
+        body["num_inference_steps"] = steps
+    kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
+    job = client.videos.create(prompt=prompt, extra_body=body, **kwargs)
+    while job.status not in ("completed", "failed"):
+        time.sleep(poll_s)
+        job = client.videos.retrieve(job.id)
+        if on_progress is not None:
+            on_progress(job)
+    if job.status == "failed":
+        raise RuntimeError(f"video {job.id} failed: {job.error}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(client.videos.download_content(job.id).read())
+    return job.model_dump()
+
+
 def _cmd_serve(ns) -> int:
     config = load_serve_config(ns.config) if ns.config else {"name": APP_NAME, "args": {}, "route_prefix": "/",
                                                                "http_options": {"host": "127.0.0.1", "port": 8000}}
     http = config["http_options"]
     url = start_app(config["args"], host=ns.host or http["host"], port=ns.port or http["port"],
                     name=config["name"], route_prefix=config["route_prefix"])
-    print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations; Ctrl-C stops)", flush=True)
+    print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations or /v1/videos; Ctrl-C stops)",
+          flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -106,6 +135,25 @@ def _cmd_generate(ns) -> int:
         return 1
     print(f"wrote {ns.output}")
     print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _cmd_video(ns) -> int:
+    from openai import APIStatusError
+
+    extra = json.loads(ns.extra) if ns.extra else None
+    try:
+        job = generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
+                             steps=ns.steps, extra=extra,
+                             on_progress=lambda j: print(f"{j.status} {j.progress}%", flush=True))
+    except APIStatusError as exc:
+        print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(f"wrote {ns.output}")
+    print(json.dumps(job, indent=2))
     return 0
 
 
@@ -143,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("video", help="create one video job on a running server, wait for it, save the MP4")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", required=True, help="MP4 file to write")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
+    p.add_argument("--seconds", help="length in seconds (or give num_frames in --extra)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--steps", type=int, help="num_inference_steps")
+    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
+    p.set_defaults(func=_cmd_video)
 
     p = sub.add_parser("demo", help="start the app on tiny-flux, generate one image over HTTP, shut down")
     p.add_argument("-o", "--output", default="out/demo.png")
