@@ -7,8 +7,10 @@ Stage 1 trains the tiny AutoencoderKL (reconstruction + a small KL term) and set
 Stage 2 trains the FLUX-architecture transformer with rectified flow / flow matching, as
 FLUX is trained (Esser et al., "Scaling Rectified Flow Transformers", arXiv 2403.03206):
 ``x_t = (1 − σ)·x_0 + σ·ε`` with logit-normal σ, the model predicts ``ε − x_0``. Captions are
-dropped 10 % of the time so true CFG has an unconditional branch. The text encoders keep
-their fixed random weights; the transformer learns to read their embeddings.
+dropped 10 % of the time so true CFG has an unconditional branch. The text encoders (CLIP
+and T5) are trained together with the transformer: FLUX gives text tokens no rotary position
+(``txt_ids`` are zeros), so with frozen random encoders the transformer cannot tell the
+shape's colour word from the background's; trained encoders learn to mark them.
 Deterministic for a given seed and thread count (the script pins 2 threads).
 """
 
@@ -67,17 +69,30 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
     return pipe._pack_latents(z, n, c, h, w)
 
 
-def train_transformer(pipe, latents, cond_index, embeds, pooled, text_ids, steps: int,
+def tokenize(pipe, captions: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids as ``FluxPipeline.encode_prompt`` makes them: CLIP (N, 77), T5 (N, L)."""
+    clip = pipe.tokenizer(captions, padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                          truncation=True, return_tensors="pt").input_ids
+    t5 = pipe.tokenizer_2(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
+                          return_tensors="pt").input_ids
+    return clip, t5
+
+
+def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, steps: int,
                       generator: torch.Generator, log, batch: int = 32) -> None:
+    """Flow matching on the transformer and both text encoders. ``clip_ids``/``t5_ids``: the
+    captions' token ids, the last one the empty caption (the unconditional branch)."""
     transformer = pipe.transformer
     h = w = int(latents.shape[1] ** 0.5)
     img_ids = pipe._prepare_latent_image_ids(1, h, w, latents.device, latents.dtype)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.0)
+    params = [*transformer.parameters(), *pipe.text_encoder.parameters(), *pipe.text_encoder_2.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=max(steps, 1), pct_start=0.05)
-    transformer.train()
+    for module in (transformer, pipe.text_encoder, pipe.text_encoder_2):
+        module.train()
     batch = min(batch, len(latents))
     batches = _batches(len(latents), batch, generator)
-    empty = len(embeds) - 1  # the last caption is "" (the unconditional branch)
+    empty = len(t5_ids) - 1  # the last caption is "" (the unconditional branch)
     for step in range(steps):
         idx = next(batches)
         x0 = latents[idx]
@@ -88,21 +103,24 @@ def train_transformer(pipe, latents, cond_index, embeds, pooled, text_ids, steps
         s = sigma[:, None, None]
         xt = (1 - s) * x0 + s * eps
         guidance = 1.0 + 4.0 * torch.rand(batch, generator=generator)
-        pred = transformer(hidden_states=xt, timestep=sigma, guidance=guidance, pooled_projections=pooled[cap],
-                           encoder_hidden_states=embeds[cap], txt_ids=text_ids, img_ids=img_ids,
+        pooled = pipe.text_encoder(clip_ids[cap], output_hidden_states=False).pooler_output
+        embeds = pipe.text_encoder_2(t5_ids[cap], output_hidden_states=False)[0]
+        pred = transformer(hidden_states=xt, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                           encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids,
                            return_dict=False)[0]
         loss = F.mse_loss(pred, eps - x0)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % 100 == 0 or step == steps - 1:
             log(f"dit step {step:5d} loss {loss.item():.4f}")
-    transformer.eval()
+    for module in (transformer, pipe.text_encoder, pipe.text_encoder_2):
+        module.eval()
 
 
-def train(out: Path, *, seed: int = 0, images: int = 4096, vae_steps: int = 500, dit_steps: int = 5500,
+def train(out: Path, *, seed: int = 0, images: int = 4096, vae_steps: int = 500, dit_steps: int = 5000,
           threads: int = 2, log=print) -> Path:
     """Train and save a diffusers-format tiny-flux to ``out``; returns ``out``."""
     torch.set_num_threads(threads)
@@ -117,10 +135,10 @@ def train(out: Path, *, seed: int = 0, images: int = 4096, vae_steps: int = 500,
     captions = sorted({s.caption for s in scenes})
     index = {c: i for i, c in enumerate(captions)}
     cond_index = torch.tensor([index[s.caption] for s in scenes])
-    with torch.no_grad():
-        embeds, pooled, text_ids = pipe.encode_prompt(prompt=captions + [""], prompt_2=None, device="cpu",
-                                                      num_images_per_prompt=1, max_sequence_length=32)
-    train_transformer(pipe, latents, cond_index, embeds, pooled, text_ids, dit_steps, generator, log)
+    max_sequence_length = int(pipe.tokenizer_2.model_max_length)
+    clip_ids, t5_ids = tokenize(pipe, captions + [""], max_sequence_length)
+    text_ids = torch.zeros(max_sequence_length, 3)  # FluxPipeline's: no rotary position for text
+    train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, dit_steps, generator, log)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
     log(f"saved {out} after {time.time() - t0:.0f} s")
@@ -133,7 +151,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--images", type=int, default=4096)
     ap.add_argument("--vae-steps", type=int, default=500)
-    ap.add_argument("--dit-steps", type=int, default=5500)
+    ap.add_argument("--dit-steps", type=int, default=5000)
     ns = ap.parse_args()
     train(ns.out, seed=ns.seed, images=ns.images, vae_steps=ns.vae_steps, dit_steps=ns.dit_steps)
 
