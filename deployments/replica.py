@@ -15,7 +15,7 @@ from deployments.rank_worker import RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.accel import freeze_cache_dit_params
 from pipeline.contract import ImageGenerationRequest, VideoGenerationRequest
-from pipeline.runner import Batch, ModelFacts, RequestOutput
+from pipeline.runner import Batch, ModelFacts
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import BatchSignature
 

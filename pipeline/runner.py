@@ -91,7 +91,8 @@ class ModelFacts:
 
 def resolve_checkpoint(name: str, path: str | None) -> Path | str:
     """The checkpoint to load: ``path`` if given, else the embedded model of that name
-    (``tiny-flux``, ``tiny-wan``, ``tiny-wan-moe``, ``tiny-wan-paired``; built on first use).
+    (``tiny-flux`` trained and shipped; ``tiny-flux-random``, ``tiny-wan``, ``tiny-wan-moe``, ``tiny-wan-paired``
+    built on first use).
     Raises ``FileNotFoundError`` for a ``path`` that is neither a local diffusers directory
     nor (where the machine is online) a hub id."""
     if path is None:

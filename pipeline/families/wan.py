@@ -143,8 +143,7 @@ class WanFamily:
         return scheduler, scheduler.timesteps
 
     def guidance(self, guidance_scale: float, batch: int) -> None:
-        """Wan has no guidance embedding."""
-        return None
+        """Wan has no guidance embedding: always None."""
 
     @torch.no_grad()
     def predict(self, latents, t, cond: WanConditioning, guidance, positions, model: str = "transformer",

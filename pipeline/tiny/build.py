@@ -1,6 +1,12 @@
-"""Build the embedded ``tiny-flux`` checkpoint and write it in diffusers format.
+"""The embedded checkpoints: the trained ``tiny-flux`` shipped in the repository, and
+builders of random-weight tiny FLUX.1 and Wan models written in diffusers format.
 
-The checkpoint has the FLUX.1 architecture (``FluxTransformer2DModel`` with guidance
+``tiny-flux`` (the default of the demo and the tiny configs) is trained on the procedural
+shapes dataset by ``python -m pipeline.tiny.train --out pipeline/tiny/weights/tiny-flux``
+and lives in ``pipeline/tiny/weights/tiny-flux``. ``tiny-flux-random`` and the builders
+below give random weights for any architecture a test needs.
+
+The random checkpoint has the FLUX.1 architecture (``FluxTransformer2DModel`` with guidance
 embedding, ``AutoencoderKL``, CLIP and T5 text encoders, ``FlowMatchEulerDiscreteScheduler``
 with FLUX.1-dev's shift settings) at a few MB. Weights come from ``torch.manual_seed``;
 the tokenizers are made on the spot from a small word list, so nothing is downloaded.
@@ -19,6 +25,9 @@ from pathlib import Path
 import torch
 
 TINY_FLUX = "tiny-flux"
+TINY_FLUX_RANDOM = "tiny-flux-random"
+# The trained default, shipped with the package (about 5 MB, float32).
+TRAINED_TINY_FLUX = Path(__file__).resolve().parent / "weights" / TINY_FLUX
 # Bump when the architecture or the build recipe changes: it names the cache directory.
 # v2: 2 double + 8 single blocks, so cache-dit's default Fn_compute_blocks=8 fits.
 TINY_FLUX_VERSION = "v2"
@@ -51,24 +60,44 @@ class TinyFluxArch:
     vae_block_out_channels: tuple[int, ...] = (16, 32, 32)
     max_sequence_length: int = 32
     guidance_embeds: bool = True
+    clip_word_tokens: bool = False  # CLIP BPE merges that make every word of WORDS one token
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
 
-def _clip_tokenizer():
+def _word_merges() -> list[tuple[str, str]]:
+    """BPE merges learned (with the ``tokenizers`` library's trainer) on WORDS, so each of
+    them becomes one CLIP token; other text still falls back to bytes."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(sorted(set(WORDS)), trainers.BpeTrainer(
+        vocab_size=5000, show_progress=False, end_of_word_suffix="</w>", initial_alphabet=[]))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges]
+
+
+def _clip_tokenizer(word_tokens: bool = False):
     from transformers import CLIPTokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    # Byte-level BPE vocabulary without merges: every byte, alone and word-final.
+    # Byte-level BPE vocabulary: every byte, alone and word-final, plus (word_tokens) merges
+    # that make the known words whole tokens.
     byte_chars = list(bytes_to_unicode().values())
     vocab = {}
     for ch in byte_chars:
         vocab[ch] = len(vocab)
     for ch in byte_chars:
         vocab[ch + "</w>"] = len(vocab)
+    merges = _word_merges() if word_tokens else []
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab[special] = len(vocab)
-    tok = CLIPTokenizer(vocab=vocab, merges=[])
+    tok = CLIPTokenizer(vocab=vocab, merges=merges)
     tok.model_max_length = 77
     return tok
 
@@ -94,7 +123,7 @@ def build_tiny_flux_pipeline(arch: TinyFluxArch = TinyFluxArch()):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    tokenizer = _clip_tokenizer()
+    tokenizer = _clip_tokenizer(arch.clip_word_tokens)
     tokenizer_2 = _t5_tokenizer(arch.max_sequence_length)
 
     torch.manual_seed(arch.seed)
@@ -345,8 +374,18 @@ def ensure_tiny_wan(root: Path | None = None, arch: TinyWanArch = TinyWanArch())
 
 
 # The embedded checkpoints, by served model name.
+def trained_tiny_flux() -> Path:
+    """The shipped trained ``tiny-flux`` directory. Raises ``FileNotFoundError`` if the
+    package was installed without it (retrain with ``python -m pipeline.tiny.train``)."""
+    if not (TRAINED_TINY_FLUX / "model_index.json").exists():
+        raise FileNotFoundError(f"the trained tiny-flux is missing from {TRAINED_TINY_FLUX}; recreate it with "
+                                f"`python -m pipeline.tiny.train --out {TRAINED_TINY_FLUX}`")
+    return TRAINED_TINY_FLUX
+
+
 EMBEDDED = {
-    TINY_FLUX: lambda root=None: ensure_tiny_flux(root),
+    TINY_FLUX: lambda root=None: trained_tiny_flux(),
+    TINY_FLUX_RANDOM: lambda root=None: ensure_tiny_flux(root),
     TINY_WAN: lambda root=None: ensure_tiny_wan(root, TinyWanArch()),
     TINY_WAN_MOE: lambda root=None: ensure_tiny_wan(root, TinyWanArch(dual="boundary")),
     TINY_WAN_PAIRED: lambda root=None: ensure_tiny_wan(root, TinyWanArch(dual="paired")),

@@ -10,19 +10,23 @@ FLUX is trained (Esser et al., "Scaling Rectified Flow Transformers", arXiv 2403
 dropped 10 % of the time so true CFG has an unconditional branch. The text encoders (CLIP
 and T5) are trained together with the transformer: FLUX gives text tokens no rotary position
 (``txt_ids`` are zeros), so with frozen random encoders the transformer cannot tell the
-shape's colour word from the background's; trained encoders learn to mark them.
+shape's colour word from the background's; trained encoders learn to mark them. The saved
+weights are an exponential moving average (decay 0.999) of the trained ones, as diffusion
+models are usually sampled (``torch.optim.swa_utils`` EMA).
 Deterministic for a given seed and thread count (the script pins 2 threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from pipeline.tiny.build import TinyFluxArch, build_tiny_flux_pipeline
 from pipeline.tiny.data import make_dataset, split_scenes
@@ -79,7 +83,7 @@ def tokenize(pipe, captions: list[str], max_sequence_length: int) -> tuple[torch
 
 
 def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, steps: int,
-                      generator: torch.Generator, log, batch: int = 32) -> None:
+                      generator: torch.Generator, log, batch: int = 32, ema_decay: float = 0.999) -> None:
     """Flow matching on the transformer and both text encoders. ``clip_ids``/``t5_ids``: the
     captions' token ids, the last one the empty caption (the unconditional branch)."""
     transformer = pipe.transformer
@@ -88,8 +92,10 @@ def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, ste
     params = [*transformer.parameters(), *pipe.text_encoder.parameters(), *pipe.text_encoder_2.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=max(steps, 1), pct_start=0.05)
-    for module in (transformer, pipe.text_encoder, pipe.text_encoder_2):
+    modules = (transformer, pipe.text_encoder, pipe.text_encoder_2)
+    for module in modules:
         module.train()
+    averages = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(ema_decay)) for m in modules]
     batch = min(batch, len(latents))
     batches = _batches(len(latents), batch, generator)
     empty = len(t5_ids) - 1  # the last caption is "" (the unconditional branch)
@@ -114,18 +120,27 @@ def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, ste
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        for module, average in zip(modules, averages):
+            average.update_parameters(module)
         if step % 100 == 0 or step == steps - 1:
             log(f"dit step {step:5d} loss {loss.item():.4f}")
-    for module in (transformer, pipe.text_encoder, pipe.text_encoder_2):
+    for module, average in zip(modules, averages):
+        module.load_state_dict(average.module.state_dict())
         module.eval()
 
 
-def train(out: Path, *, seed: int = 0, images: int = 4096, vae_steps: int = 500, dit_steps: int = 5000,
+# The trained tiny-flux's architecture: tiny-flux v2 with 16 T5 tokens (captions have at most
+# 9 words) and whole-word CLIP tokens, so CLIP's pooled output (FLUX's global conditioning, which
+# carries most of the colour) composes words rather than spelling them out character by character.
+TRAINED_ARCH = TinyFluxArch(max_sequence_length=16, clip_word_tokens=True)
+
+
+def train(out: Path, *, seed: int = 0, images: int = 4096, vae_steps: int = 500, dit_steps: int = 5500,
           threads: int = 2, log=print) -> Path:
     """Train and save a diffusers-format tiny-flux to ``out``; returns ``out``."""
     torch.set_num_threads(threads)
     t0 = time.time()
-    pipe = build_tiny_flux_pipeline(TinyFluxArch(seed=seed))
+    pipe = build_tiny_flux_pipeline(dataclasses.replace(TRAINED_ARCH, seed=seed))
     train_scenes, _ = split_scenes(seed)
     pixels, scenes = make_dataset(train_scenes, images, seed)
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
@@ -151,7 +166,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--images", type=int, default=4096)
     ap.add_argument("--vae-steps", type=int, default=500)
-    ap.add_argument("--dit-steps", type=int, default=5000)
+    ap.add_argument("--dit-steps", type=int, default=5500)
     ns = ap.parse_args()
     train(ns.out, seed=ns.seed, images=ns.images, vae_steps=ns.vae_steps, dit_steps=ns.dit_steps)
 
