@@ -94,10 +94,13 @@ def flux_rows(ns) -> None:
         "Fn_compute_blocks": 1, "enable_taylorseer": True, "taylorseer_order": 1}}))
     rows.append(("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
         "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}}))
+    rows.append(("Fn=1 thr=0.5 warmup 2 max 3 + TaylorSeer", {}, {"enable_cache_dit": True, "cache_dit_params": {
+        "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2,
+        "max_continuous_cached_steps": 3, "enable_taylorseer": True, "taylorseer_order": 1}}))
     rows.append(("CFG gating 0.5 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.5}))
 
     print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} threads, median of {ns.iters} alternated runs")
-    print(f"{'setting':34s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
+    print(f"{'setting':42s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
     for name, base, accel in rows:
         exact_b, accel_b = batch(base), batch({**base, **accel})
         exact_ms, accel_ms = [], []
@@ -108,7 +111,7 @@ def flux_rows(ns) -> None:
             accel_ms.append(a.timings_ms["denoise"])
         ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
         meta = a.acceleration
-        print(f"{name:34s} {ratio:6.2f}x {psnr(a.pngs[0], e.pngs[0]):8.1f} "
+        print(f"{name:42s} {ratio:6.2f}x {psnr(a.pngs[0], e.pngs[0]):8.1f} "
               f"{meta['cache_dit']['cached_steps']:4d}/{ns.steps:<2d} {meta['cfg_gate']['reused_steps']:10d}")
 
     # Cost of a state change at a batch boundary.
