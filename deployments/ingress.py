@@ -12,6 +12,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from pipeline.accel import freeze_cache_dit_params
@@ -34,12 +35,20 @@ def error_response(exc: DitServeError) -> JSONResponse:
     return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers)
 
 
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own 404 / 405 (no such route or method) in OpenAI's error envelope."""
+    return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None,
+                                   "code": "not_found" if exc.status_code == 404 else "method_not_allowed"}},
+                        status_code=exc.status_code)
+
+
 @api.exception_handler(DitServeError)
 async def _ditserve_error(_request: Request, exc: DitServeError) -> JSONResponse:
     return error_response(exc)
 
 
-_FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]+\])*)$")
+_FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 _FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds"}
 
 
@@ -47,7 +56,7 @@ def form_to_body(items: list[tuple[str, str]]) -> dict:
     """A multipart/url-encoded form (how OpenAI's SDK sends ``videos.create``) → a JSON body.
 
     Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
-    objects; values of fields other than the text fields are read as JSON when they parse
+    objects and a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``); values of fields other than the text fields are read as JSON when they parse
     (``8`` → 8, ``true`` → True), else kept as text, and validation then names bad ones.
     """
     body: dict = {}
@@ -55,7 +64,9 @@ def form_to_body(items: list[tuple[str, str]]) -> dict:
         match = _FORM_KEY.match(key)
         if not match:
             raise InvalidRequestError(f"malformed form field name {key!r}", param=key)
-        path = [match.group(1), *re.findall(r"\[([^\[\]]+)\]", match.group(2))]
+        path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
+        if "" in path[:-1]:
+            raise InvalidRequestError(f"malformed form field name {key!r} ([] only at the end)", param=path[0])
         if not isinstance(value, str):
             raise InvalidRequestError(f"{path[0]}: file uploads are not supported", param=path[0])
         if path[0] not in _FORM_TEXT_FIELDS:
@@ -64,11 +75,20 @@ def form_to_body(items: list[tuple[str, str]]) -> dict:
             except ValueError:
                 pass
         node = body
-        for part in path[:-1]:
+        parts, append = (path[:-1], True) if path[-1] == "" else (path, False)
+        for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise InvalidRequestError(f"form field {key!r} mixes a value and an object", param=path[0])
-        node[path[-1]] = value
+        if append:
+            node = node.setdefault(parts[-1], [])
+            if not isinstance(node, list):
+                raise InvalidRequestError(f"form field {key!r} mixes a value and a list", param=path[0])
+            node.append(value)
+        elif isinstance(node.get(parts[-1]), (dict, list)):
+            raise InvalidRequestError(f"form field {key!r} mixes a value and an object", param=path[0])
+        else:
+            node[parts[-1]] = value
     return body
 
 
@@ -202,6 +222,11 @@ class Ingress:
     async def http_create_video(self, request: Request):
         body = await _video_body(request)
         return (await self.submit_video(body)).model_dump()
+
+    @api.get("/v1/videos")
+    async def http_list_videos(self):
+        return {"object": "list", "data": [VideoJob(**j).model_dump() for j in await self._call(
+            self._router.list_jobs)], "has_more": False}
 
     @api.get("/v1/videos/{video_id}")
     async def http_video(self, video_id: str):

@@ -226,6 +226,8 @@ class Router:
         self._metric_batch_size.observe(batch.size)
         for p in pending:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
+            if p.on_progress is not None:  # dispatched: in progress from here on
+                p.on_progress(0, p.params.num_inference_steps)
         try:
             outputs = None
             async for event in self._stream.run_batch.remote(batch):
@@ -294,6 +296,8 @@ class Router:
 
     async def _run_job(self, job: "Job") -> None:
         def progress(done: int, steps: int) -> None:
+            if job.completed_at is not None:  # failed already (deadline, deletion): its batch runs on
+                return
             job.status = "in_progress"
             job.progress = max(job.progress, min(99, int(100 * done / steps)))
 
@@ -306,6 +310,10 @@ class Router:
             job.finish("failed", {"code": exc.code or type(exc).__name__, "message": str(exc)})
         except Exception as exc:  # never leave a job in_progress
             job.finish("failed", {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"})
+
+    def list_jobs(self) -> list[dict]:
+        """Every job kept (queued, running and finished within retention), newest first."""
+        return [job.view() for job in self._jobs.all()]
 
     def get_job(self, job_id: str) -> dict:
         """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""
@@ -402,6 +410,10 @@ class JobStore:
             raise NotFoundError(f"no video job {job_id!r} (unknown, deleted, or expired after its retention)",
                                 param="video_id", code="video_not_found")
         return self._jobs[job_id]
+
+    def all(self) -> list[Job]:
+        self.evict()
+        return sorted(self._jobs.values(), key=lambda j: j.created_at, reverse=True)
 
     def pop(self, job_id: str) -> Job:
         job = self.get(job_id)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pipeline.accel import ATTENTION_BACKENDS, validate_cache_dit_params
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
 
+MAX_SECONDS = 3600  # a bound before frames are computed; limits.max_frames is the real cap
 SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*x\s*(\d{1,6})\s*$")
 
 
@@ -278,8 +279,8 @@ class VideoGenerationRequest(_GenerationRequest):
             seconds = float(v)
         except (TypeError, ValueError):
             raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}") from None
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}")
+        if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+            raise ValueError(f"seconds must be a number of seconds in (0, {MAX_SECONDS}], got {v!r}")
         return seconds
 
     @field_validator("fps")

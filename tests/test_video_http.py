@@ -149,3 +149,32 @@ def test_job_store_evicts_by_age_and_count():
     store.evict(now=111.5)  # video_1 finished at 101: past its 10 s
     assert "video_1" not in store._jobs and "video_2" in store._jobs and "video_3" in store._jobs
     assert store._jobs["video_2"].view()["expires_at"] == 112
+
+
+def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
+    job = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 17, "num_inference_steps": 100,
+                                               "timeout_s": 1.0}, timeout=30).json()
+    final, _ = poll(url, job["id"])
+    assert final["status"] == "failed" and final["error"]["code"] == "timeout"
+    time.sleep(3)  # the batch may still be running: its progress must not revive the job
+    again = httpx.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()
+    assert again["status"] == "failed" and again["error"]["code"] == "timeout"
+    assert 0 < again["progress"] < 100  # it timed out while its batch ran
+
+
+def test_openai_form_with_lists_and_more_edges(url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    job = client.videos.create(prompt="a blue square", size="32x32", extra_body={
+        "num_frames": 5, "num_inference_steps": 4, "enable_cache_dit": True,
+        "cache_dit_params": {"Fn_compute_blocks": 1, "scm_compute_bins": [2, 1], "scm_cache_bins": [1, 1]}})
+    final, _ = poll(url, job.id)
+    assert final["status"] == "completed", final["error"]
+    assert final["ditserve"]["acceleration"]["cache_dit"]["active"]
+    listed = httpx.get(f"{url}/v1/videos", timeout=30).json()
+    assert listed["object"] == "list" and job.id in [j["id"] for j in listed["data"]]
+    huge = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "seconds": 1e308}, timeout=30)
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "seconds"
+    missing = httpx.get(f"{url}/v1/videos/x/remix", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
