@@ -96,6 +96,8 @@ def ops_cluster():
     port = {name: free_port("127.0.0.1") for name in ("gcs", "node_manager", "object_manager", "client", "agent",
                                                       "agent_grpc", "runtime_env", "metrics", "http")}
     low = free_port("127.0.0.1")
+    while any(low <= p <= low + 200 for p in port.values()):  # Ray refuses a worker range that overlaps
+        low = free_port("127.0.0.1")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     # Ray's token authentication, as `ray start` enables it by default when ~/.ray/auth_token
     # exists; processes that connect with an explicit address must say so (README).
