@@ -59,9 +59,8 @@ def stop_app() -> None:
     ray.shutdown()
 
 
-def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
-                   seed: int | None = None, steps: int | None = None, extra: dict | None = None) -> dict:
-    """POST one image request with the OpenAI client, write the PNG to ``output``; return metadata."""
+def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: dict | None):
+    """An OpenAI client for the server at ``base_url`` and the ditserve fields for ``extra_body``."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600, max_retries=0)
@@ -70,6 +69,13 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
         body["seed"] = seed
     if steps is not None:
         body["num_inference_steps"] = steps
+    return client, body
+
+
+def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
+                   seed: int | None = None, steps: int | None = None, extra: dict | None = None) -> dict:
+    """POST one image request with the OpenAI client, write the PNG to ``output``; return metadata."""
+    client, body = _client_and_body(base_url, seed, steps, extra)
     kwargs = {"size": size} if size else {}
     response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -82,14 +88,7 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
                    extra: dict | None = None, poll_s: float = 0.2, on_progress=None) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. Raises ``RuntimeError`` if the job fails (its error is the message)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600, max_retries=0)
-    body = dict(extra or {})
-    if seed is not None:
-        body["seed"] = seed
-    if steps is not None:
-        body["num_inference_steps"] = steps
+    client, body = _client_and_body(base_url, seed, steps, extra)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     job = client.videos.create(prompt=prompt, extra_body=body, **kwargs)
     while job.status not in ("completed", "failed"):

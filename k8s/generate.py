@@ -29,24 +29,24 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
 }
 
 
-def gpus_per_replica(args: dict) -> int:
-    """GPUs one DiTReplica holds: one per rank with sequence parallelism, else its actor's num_gpus."""
+def _per_replica(args: dict, bundle_key: str, actor_key: str, default: int) -> int:
+    """A resource one DiTReplica holds: its ranks' bundles with sequence parallelism, else its actor's."""
     parallel = args.get("parallel", {})
     world = parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
     replica = args.get("replica", {})
     if world > 1:
-        return int(world * replica.get("rank_resources", {}).get("GPU", 0))
-    return int(replica.get("ray_actor_options", {}).get("num_gpus", 0))
+        return int(world * replica.get("rank_resources", {}).get(bundle_key, default))
+    return int(replica.get("ray_actor_options", {}).get(actor_key, default))
+
+
+def gpus_per_replica(args: dict) -> int:
+    """GPUs one DiTReplica holds: one per rank with sequence parallelism, else its actor's num_gpus."""
+    return _per_replica(args, "GPU", "num_gpus", 0)
 
 
 def cpus_per_replica(args: dict) -> int:
     """CPUs one DiTReplica holds: its ranks' bundles with sequence parallelism, else its actor's num_cpus."""
-    parallel = args.get("parallel", {})
-    world = parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
-    replica = args.get("replica", {})
-    if world > 1:
-        return int(world * replica.get("rank_resources", {}).get("CPU", 1))
-    return int(replica.get("ray_actor_options", {}).get("num_cpus", 1))
+    return _per_replica(args, "CPU", "num_cpus", 1)
 
 
 def replica_range(args: dict) -> tuple[int, int]:

@@ -56,6 +56,13 @@ class SamplingParams:
     fps: int = 0  # videos: frames per second of the MP4; 0 for images
 
 
+def _size(request, limits: ServingLimits) -> tuple[int, int]:
+    """(width, height) in pixels: the request's ``size`` or the server default."""
+    if request.size is not None:
+        return parse_size(request.size)
+    return limits.default_width, limits.default_height
+
+
 def _acceleration(request, defaults: AccelerationDefaults) -> dict:
     if request.enable_cache_dit is False:
         enable_cache_dit = False
@@ -95,10 +102,7 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
             request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated image request. A missing ``seed`` is drawn here
     so the answer can report it and the request can be replayed exactly."""
-    if request.size is not None:
-        width, height = parse_size(request.size)
-    else:
-        width, height = limits.default_width, limits.default_height
+    width, height = _size(request, limits)
     return SamplingParams(
         request_id=request_id or f"img-{uuid.uuid4().hex[:16]}",
         model=limits.model_name,
@@ -120,10 +124,7 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
                   defaults: AccelerationDefaults = AccelerationDefaults(),
                   request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated video request (one video per request)."""
-    if request.size is not None:
-        width, height = parse_size(request.size)
-    else:
-        width, height = limits.default_width, limits.default_height
+    width, height = _size(request, limits)
     return SamplingParams(
         request_id=request_id or f"video_{uuid.uuid4().hex[:24]}",
         model=limits.model_name,

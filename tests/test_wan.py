@@ -3,6 +3,8 @@ transformers run the steps they should (counted with forward hooks)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -93,11 +95,17 @@ def test_boundary_experts_equal_wan22_pipeline(wan_moe):
     assert np.abs(out.images[0] - reference(wan_moe, p, guidance_scale_2=2.5)).max() <= TOL
 
 
-def _count_forwards(family):
+@contextlib.contextmanager
+def counting_forwards(family):
+    """Yields {transformer name: forward calls} counted by hooks while the block runs."""
     counts = {name: 0 for name in family.transformers}
     hooks = [module.register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
              for name, module in family.transformers.items()]
-    return counts, hooks
+    try:
+        yield counts
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 0.875, 1.0])
@@ -105,12 +113,8 @@ def test_boundary_experts_run_the_expected_steps(wan_moe, ratio):
     p = params(wan_moe, "a green star", 7, guidance_scale=4.0, boundary_ratio=ratio, num_inference_steps=8)
     scheduler, timesteps = wan_moe.scheduler_and_timesteps(8, None)
     high = sum(float(t) >= ratio * 1000 for t in timesteps)
-    counts, hooks = _count_forwards(wan_moe)
-    try:
+    with counting_forwards(wan_moe) as counts:
         out = denoise_batch(wan_moe, [p])
-    finally:
-        for h in hooks:
-            h.remove()
     assert counts == {"transformer": 2 * high, "transformer_2": 2 * (8 - high)}  # cond + uncond per step
     assert out.calls == {k: v for k, v in counts.items() if v}
     plan = step_plan(timesteps, p, "boundary", wan_moe.boundary_ratio)
@@ -126,34 +130,22 @@ def test_boundary_experts_run_the_expected_steps(wan_moe, ratio):
 def test_paired_per_step_calls_both_transformers_every_step(wan_paired):
     p = params(wan_paired, "a yellow ring", 11, guidance_scale=2.0, num_inference_steps=6)
     assert p.do_true_cfg and p.negative_prompt is None
-    counts, hooks = _count_forwards(wan_paired)
-    try:
+    with counting_forwards(wan_paired) as counts:
         out = denoise_batch(wan_paired, [p])
-    finally:
-        for h in hooks:
-            h.remove()
     assert counts == {"transformer": 6, "transformer_2": 6}
     assert out.images[0].shape == (1, 9, 48, 64, 3)
     # scale 1 means the guide cancels out: the result is transformer alone (still calling both).
     one = params(wan_paired, "a yellow ring", 11, guidance_scale=1.0, num_inference_steps=6)
-    counts, hooks = _count_forwards(wan_paired)
-    try:
+    with counting_forwards(wan_paired) as counts:
         alone = denoise_batch(wan_paired, [one])
-    finally:
-        for h in hooks:
-            h.remove()
     assert counts == {"transformer": 6, "transformer_2": 6}
     assert not np.allclose(alone.images[0], out.images[0])
 
 
 def test_paired_gating_skips_the_guide_after_the_gate(wan_paired):
     p = params(wan_paired, "a yellow ring", 11, guidance_scale=2.0, num_inference_steps=6, cfg_gate_step=0.5)
-    counts, hooks = _count_forwards(wan_paired)
-    try:
+    with counting_forwards(wan_paired) as counts:
         out = denoise_batch(wan_paired, [p])
-    finally:
-        for h in hooks:
-            h.remove()
     assert gate_step(p, 6) == 3
     assert counts == {"transformer": 6, "transformer_2": 3} and out.cfg_reused_steps == 3
 

@@ -114,6 +114,23 @@ def _t5_tokenizer(max_sequence_length: int):
     return tok
 
 
+def _t5_config(config_class, tokenizer, text_dim: int):
+    """A 2-layer, 4-head T5-family encoder config (FLUX's T5, Wan's UMT5) of width ``text_dim``."""
+    return config_class(
+        vocab_size=len(tokenizer),
+        d_model=text_dim,
+        d_kv=8,
+        d_ff=2 * text_dim,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
 def build_tiny_flux_pipeline(arch: TinyFluxArch = TinyFluxArch()):
     """Return a ``diffusers.FluxPipeline`` with random weights drawn from ``arch.seed``.
 
@@ -142,21 +159,7 @@ def build_tiny_flux_pipeline(arch: TinyFluxArch = TinyFluxArch()):
         )
     )
     torch.manual_seed(arch.seed + 1)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=arch.text_dim,
-            d_kv=8,
-            d_ff=2 * arch.text_dim,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        )
-    )
+    text_encoder_2 = T5EncoderModel(_t5_config(T5Config, tokenizer_2, arch.text_dim))
     torch.manual_seed(arch.seed + 2)
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -316,21 +319,7 @@ def build_tiny_wan_pipeline(arch: TinyWanArch = TinyWanArch()):
         raise ValueError(f"dual must be None, 'boundary' or 'paired', got {arch.dual!r}")
     tokenizer = _t5_tokenizer(arch.max_sequence_length)
     torch.manual_seed(arch.seed + 1)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=arch.text_dim,
-            d_kv=8,
-            d_ff=2 * arch.text_dim,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, arch.text_dim))
     transformer = _tiny_wan_transformer(arch, arch.seed + 2)
     transformer_2 = _tiny_wan_transformer(arch, arch.seed + 4) if arch.dual else None
     torch.manual_seed(arch.seed + 3)
