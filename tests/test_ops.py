@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 from PIL import Image
@@ -146,7 +147,7 @@ CLIENT = textwrap.dedent("""
     body = lambda i: {"prompt": f"a shape {i}", "seed": i, "num_inference_steps": 4, "size": "64x48"}
     out = {}
     burst = [handle.generate.remote(body(i)) for i in range(6)]  # all six in flight at once
-    out["burst"] = [{"png": r.data[0].b64_json, **r.ditserve} for r in (b.result(timeout_s=300) for b in burst)]
+    out["burst"] = [{"png": r.data[0].b64_json, **r.ditserve.model_dump()} for r in (b.result(timeout_s=300) for b in burst)]
     try:
         handle.generate.remote({"prompt": "", "num_inference_steps": 0}).result(timeout_s=300)
     except InvalidRequestError as exc:  # Ray re-raises it as a subclass of the original (exc.cause)
@@ -186,8 +187,11 @@ def test_handle_from_another_job_burst_and_typed_errors(client_run):
     assert client_run["invalid"]["type"] == "InvalidRequestError" and client_run["invalid"]["status"] == 400
     assert "prompt" in client_run["invalid"]["message"] and "num_inference_steps" in client_run["invalid"]["message"]
     assert client_run["timeout"]["type"] == "RequestTimeoutError"
-    # Still serving after the errors: the same request again gives the same picture.
-    assert base64.b64decode(client_run["after"]) == base64.b64decode(burst[0]["png"])
+    # Still serving after the errors: the same request again gives the same picture. It ran
+    # alone this time and inside the burst's batch before; fp32 batch invariance holds to ~1e-5,
+    # so a few values may round to the neighbouring uint8 level in the PNG.
+    after = np.asarray(_png(client_run["after"]), dtype=np.int16)
+    assert np.abs(after - np.asarray(_png(burst[0]["png"]), dtype=np.int16)).max() <= 1
 
 
 def test_example_handle_client_runs(ops_cluster, client_run):
