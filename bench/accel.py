@@ -32,13 +32,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from pipeline.accel import freeze_cache_dit_params  # noqa: E402
-from pipeline.cache_dit_state import CacheKey  # noqa: E402
-from pipeline.contract import ServingLimits, validate_image_request, validate_video_request  # noqa: E402
-from pipeline.runner import Batch, BatchRunner  # noqa: E402
+from pipeline.cache_dit_params import CacheDiTParams  # noqa: E402
+from pipeline.contract.images import validate_image_request  # noqa: E402
+from pipeline.contract.limits import ServingLimits  # noqa: E402
+from pipeline.contract.videos import validate_video_request  # noqa: E402
 from pipeline.media import to_uint8  # noqa: E402
+from pipeline.runner import BatchRunner  # noqa: E402
 from pipeline.sampling import resolve, resolve_video  # noqa: E402
 from pipeline.signature import BatchSignature  # noqa: E402
+from pipeline.state import CacheKey  # noqa: E402
+from pipeline.wire import Batch  # noqa: E402
 
 
 def psnr(a: bytes, b: bytes) -> float:
@@ -111,23 +114,24 @@ def flux_rows(ns) -> None:
             accel_ms.append(a.timings_ms["denoise"])
         ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
         meta = a.acceleration
-        print(f"{name:42s} {ratio:6.2f}x {psnr(a.pngs[0], e.pngs[0]):8.1f} "
-              f"{meta['cache_dit']['cached_steps']:4d}/{ns.steps:<2d} {meta['cfg_gate']['reused_steps']:10d}")
+        print(f"{name:42s} {ratio:6.2f}x {psnr(a.images[0], e.images[0]):8.1f} "
+              f"{meta.cache_dit.cached_steps:4d}/{ns.steps:<2d} {meta.cfg_gate.reused_steps:10d}")
 
     # Cost of a state change at a batch boundary.
-    key_a = CacheKey(freeze_cache_dit_params({"scm_preset": "fast"}), False)
-    key_b = CacheKey(freeze_cache_dit_params({"scm_preset": "slow"}), False)
-    runner.cache.primary.apply(key_a, ns.steps)
+    key_a = CacheKey(CacheDiTParams(scm_preset="fast"), False)
+    key_b = CacheKey(CacheDiTParams(scm_preset="slow"), False)
+    executor, steps = runner.cache["transformer"], list(range(ns.steps))
+    executor.mount(key_a, ns.steps, steps)
     refresh, remount = [], []
     for _ in range(10):
         t0 = time.perf_counter()
-        runner.cache.primary.apply(key_a, ns.steps)
+        executor.refresh(key_a, ns.steps, steps)
         refresh.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
-        runner.cache.primary.apply(key_b, ns.steps)
-        runner.cache.primary.apply(key_a, ns.steps)
+        executor.mount(key_b, ns.steps, steps, remount=True)
+        executor.mount(key_a, ns.steps, steps, remount=True)
         remount.append((time.perf_counter() - t0) * 1e3 / 2)
-    runner.cache.primary.apply(None, ns.steps)
+    executor.unmount()
     print(f"Cache-DiT refresh at a batch boundary: {statistics.median(refresh):.2f} ms (median of 10)")
     print(f"Cache-DiT remount at a batch boundary: {statistics.median(remount):.2f} ms (median of 10)")
 
@@ -178,11 +182,11 @@ def dual_rows(ns) -> None:
             accel_b = batch(accel)
             exact_ms, accel_ms = [], []
             for _ in range(ns.iters + 1):  # first round warms both paths
-                e, _ = runner.denoise(exact_b)
-                a, _ = runner.denoise(accel_b)
+                e = runner.denoise(exact_b)
+                a = runner.denoise(accel_b)
                 exact_ms.append(e.denoise_ms)
                 accel_ms.append(a.denoise_ms)
-            cached = runner.cache.cached_steps()
+            cached = {name: executor.cached_steps() for name, executor in runner.cache.items()}
             ran = {k: len(v) for k, v in runner.run_steps.items()}
             ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
             detail = ", ".join(f"{k} {cached[k]}/{ran.get(k, 0)}" for k in cached)

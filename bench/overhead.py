@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from deployments.cli import start_app, stop_app  # noqa: E402
 from parallel.groups import free_port  # noqa: E402
-from pipeline.contract import parse_size  # noqa: E402
+from pipeline.contract.limits import parse_size  # noqa: E402
 
 
 def main() -> None:
@@ -37,10 +37,12 @@ def main() -> None:
     args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads}}
     url = start_app(args, host="127.0.0.1", port=free_port("127.0.0.1"), num_cpus=4)
     try:
-        from pipeline.contract import ServingLimits, validate_image_request
-        from pipeline.runner import Batch, BatchRunner
+        from pipeline.contract.images import validate_image_request
+        from pipeline.contract.limits import ServingLimits
+        from pipeline.runner import BatchRunner
         from pipeline.sampling import resolve
         from pipeline.signature import BatchSignature
+        from pipeline.wire import Batch
 
         runner = BatchRunner("tiny-flux")
         width, height = parse_size(ns.size)

@@ -22,10 +22,11 @@ import torch.multiprocessing as mp  # noqa: E402
 
 
 def _batch(size: str, steps: int):
-    from pipeline.contract import ServingLimits, parse_size, validate_image_request
-    from pipeline.runner import Batch
+    from pipeline.contract.images import validate_image_request
+    from pipeline.contract.limits import ServingLimits, parse_size
     from pipeline.sampling import resolve
     from pipeline.signature import BatchSignature
+    from pipeline.wire import Batch
 
     w, h = parse_size(size)
     limits = ServingLimits("tiny-flux", 8, w, h, steps, 3.5, max_pixels=w * h)
@@ -59,7 +60,7 @@ def _rank(rank, layout, port, size, steps, iters, conn):
     for _ in range(iters):
         sent[0] = 0
         dist.barrier()
-        out, _ = runner.denoise(batch)
+        out = runner.denoise(batch)
         times.append(out.denoise_ms / steps)
     if rank == 0:
         conn.send((statistics.median(times), sent[0] / steps))
@@ -84,7 +85,7 @@ def two_ranks(layout, size, steps, iters):
 def one_rank(runner, size, steps, iters):
     batch = _batch(size, steps)
     runner.denoise(batch)
-    return statistics.median(runner.denoise(batch)[0].denoise_ms / steps for _ in range(iters))
+    return statistics.median(runner.denoise(batch).denoise_ms / steps for _ in range(iters))
 
 
 def main() -> None:

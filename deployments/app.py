@@ -9,8 +9,51 @@ from deployments.autoscaling import autoscaling_config
 from deployments.config import AppConfig, with_env_overrides
 from deployments.ingress import Ingress
 from deployments.replica import DiTReplica
-from deployments.request_router import SignatureAffinityRouter
+from deployments.replica_chooser import StateAffinityReplicaChooser
 from deployments.router import Router
+
+SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
+
+
+def deployment_options(config: AppConfig) -> dict[str, dict]:
+    """The Serve options ``build_app`` gives each deployment, by deployment name.
+
+    DiTReplica: its request router (the state-affinity chooser when ``batching.affinity``),
+    replica count or autoscaling on the Router's queue, and with ``world_size > 1`` one
+    placement-group bundle per rank (``STRICT_PACK``; the replica actor, rank 0, takes bundle 0
+    and its resources). Router and Ingress: their ``user_config`` (batching knobs, acceleration
+    defaults), which Serve applies to running replicas without restarting them. Graceful
+    shutdown: ``replica.graceful_shutdown_timeout_s`` for DiTReplica, staggered after it for the
+    Router and then the Ingress, which outlives the Router to answer for it.
+    """
+    batching = config.batching
+    if batching.affinity:
+        router_config = RequestRouterConfig(request_router_class=StateAffinityReplicaChooser,
+                                            request_routing_stats_period_s=batching.routing_stats_period_s)
+    else:
+        router_config = RequestRouterConfig(request_routing_stats_period_s=batching.routing_stats_period_s)
+    grace = config.replica.graceful_shutdown_timeout_s
+    replica = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config,
+               "graceful_shutdown_timeout_s": grace}
+    if config.replica.autoscaling is None:
+        replica["num_replicas"] = config.replica.num_replicas
+    else:  # Serve scales DiTReplica on the Router's queue depth (deployments/autoscaling.py)
+        autoscaling = config.replica.autoscaling
+        replica["autoscaling_config"] = autoscaling_config(
+            autoscaling.model_dump(), autoscaling.target_queued_per_replica or batching.max_batch_size)
+    if config.parallel.world_size > 1:
+        bundle = dict(config.replica.rank_resources)
+        replica["placement_group_bundles"] = [bundle] * config.parallel.world_size
+        replica["placement_group_strategy"] = "STRICT_PACK"
+        replica["ray_actor_options"] = {**config.replica.ray_actor_options, "num_cpus": bundle.get("CPU", 0),
+                                        "num_gpus": bundle.get("GPU", 0)}
+    # Shutdown order (Serve stops all three at once, each killed after its own timeout): the
+    # running batch finishes (grace), then the Router goes, and the Ingress, still up, answers
+    # the requests the Router held with 503 "unavailable".
+    return {"DiTReplica": replica,
+            "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S},
+            "Ingress": {"user_config": config.acceleration.model_dump(),
+                        "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S}}
 
 
 def build_app(args: dict | AppConfig | None = None) -> Application:
@@ -19,37 +62,16 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     acceleration defaults (see ``AccelerationConfig``). Raises ``pydantic.ValidationError``
     on a bad config."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
-    batching = config.batching
-    router_config = RequestRouterConfig(request_routing_stats_period_s=batching.routing_stats_period_s)
-    if batching.affinity:
-        router_config = RequestRouterConfig(request_router_class=SignatureAffinityRouter,
-                                            request_routing_stats_period_s=batching.routing_stats_period_s)
-    world_size = config.parallel.ulysses_degree * config.parallel.ring_degree
-    options = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config}
-    if config.replica.autoscaling is None:
-        options["num_replicas"] = config.replica.num_replicas
-    else:  # Serve scales DiTReplica on the Router's queue depth (deployments/autoscaling.py)
-        autoscaling = config.replica.autoscaling
-        options["autoscaling_config"] = autoscaling_config(
-            autoscaling.model_dump(), autoscaling.target_queued_per_replica or batching.max_batch_size)
-    if world_size > 1:  # one bundle per rank; the replica actor (rank 0) takes bundle 0
-        bundle = dict(config.replica.rank_resources)
-        options["placement_group_bundles"] = [bundle] * world_size
-        options["placement_group_strategy"] = "STRICT_PACK"
-        options["ray_actor_options"] = {**config.replica.ray_actor_options, "num_cpus": bundle.get("CPU", 0),
-                                        "num_gpus": bundle.get("GPU", 0)}
+    options = deployment_options(config)
     acceleration = config.acceleration.model_dump()
     if not (acceleration["torch_compile"] or acceleration["warmup"]):
         # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.
         acceleration = {k: acceleration[k] for k in ("attention_backend", "torch_compile", "compile_backend",
                                                      "warmup")}
-    replica_args = (config.model.model_dump(), config.replica.torch_threads, acceleration,
-                    config.limits.model_dump(), config.parallel.model_dump(), config.replica.rank_resources)
-    replica = DiTReplica.options(**options).bind(*replica_args)
-    # Batching knobs and acceleration defaults are Serve user_configs: when a Serve config file
-    # (serve deploy, RayService) changes only them, Serve reconfigures the running Router /
-    # Ingress replicas instead of restarting them, and leaves the DiTReplicas alone.
-    ingress_config = config.model_dump(exclude={"acceleration", "batching", "videos"})
-    router = Router.options(user_config=batching.model_dump()).bind(replica, config.replica.initial_replicas,
-                                                                    config.videos.model_dump())
-    return Ingress.options(user_config=config.acceleration.model_dump()).bind(router, ingress_config)
+    replica = DiTReplica.options(**options["DiTReplica"]).bind(
+        config.model.model_dump(), config.replica.torch_threads, acceleration, config.limits.model_dump(),
+        config.parallel.model_dump(), config.replica.rank_resources)
+    router = Router.options(**options["Router"]).bind(replica, config.replica.initial_replicas,
+                                                      config.videos.model_dump())
+    return Ingress.options(**options["Ingress"]).bind(router, config.model_dump(exclude={"acceleration", "batching",
+                                                                                         "videos"}))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.accel import ATTENTION_BACKENDS, validate_cache_dit_params
-from pipeline.contract import parse_size
+from parallel.kernels import kernel_names
+from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.limits import parse_size
 
 
 class _Strict(BaseModel):
@@ -26,7 +27,7 @@ class ModelConfig(_Strict):
     device: str = "cpu"
     # Execution mode of a second transformer: "boundary" (Wan 2.2 experts, the default when
     # the pipeline has a boundary_ratio) or "paired"; null: what the checkpoint declares.
-    dual_transformer: str | None = Field(default=None, pattern="^(boundary|paired)$")
+    dual_transformer: Literal["boundary", "paired"] | None = None
 
 
 class LimitsConfig(_Strict):
@@ -103,15 +104,15 @@ class AccelerationConfig(_Strict):
     @field_validator("cache_dit_params")
     @classmethod
     def _cache(cls, v):
-        if v is not None and (problems := validate_cache_dit_params(v)):
-            raise ValueError("; ".join(problems))
+        if v is not None:
+            CacheDiTParams.model_validate(v)  # the same model (and messages) as a request's override
         return v
 
     @field_validator("attention_backend")
     @classmethod
     def _attn(cls, v):
-        if v is not None and v not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {v!r}")
+        if v is not None and v not in kernel_names():
+            raise ValueError(f"attention_backend must be one of {', '.join(kernel_names())}, got {v!r}")
         return v
 
 
@@ -175,7 +176,9 @@ class ReplicaConfig(_Strict):
     instead (give one or the other). ``rank_resources``: one placement-group bundle per rank
     when ``world_size > 1`` (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 8}`` on GPU); rank 0
     is the replica actor in bundle 0, ranks 1..N-1 are actors in the other bundles
-    (``STRICT_PACK``).
+    (``STRICT_PACK``). ``graceful_shutdown_timeout_s``: how long a running batch may take to
+    finish when a replica stops (seconds; Serve's option). The Router and the Ingress stop 5 and
+    10 seconds later, so the Ingress answers the requests still queued (503).
     """
 
     num_replicas: int = Field(default=1, ge=1)
@@ -183,6 +186,7 @@ class ReplicaConfig(_Strict):
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     torch_threads: int | None = Field(default=None, ge=1)
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
+    graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
 
     @model_validator(mode="after")
     def _replicas(self):
@@ -203,6 +207,10 @@ class ParallelSettings(_Strict):
 
     ulysses_degree: int = Field(default=1, ge=1)
     ring_degree: int = Field(default=1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
 
 
 class AppConfig(_Strict):

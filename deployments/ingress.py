@@ -1,9 +1,9 @@
 """Ingress: the HTTP API (FastAPI through ``@serve.ingress``) and the Python handle methods.
 
 Validation happens here, before anything is queued: a bad request is a 400 listing every
-problem, and never reaches the router. Only this module maps errors to HTTP statuses.
+problem, and never reaches the router. Only this module maps errors to HTTP statuses. It
+imports no torch (``tests/test_architecture.py``).
 """
-
 
 import base64
 import json
@@ -14,24 +14,42 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
-from pipeline.accel import freeze_cache_dit_params
-from pipeline.contract import (ImageData, ImageGenerationRequest, ImageGenerationResponse, ServingLimits,
-                               VideoGenerationRequest, VideoJob, validate_image_request, validate_video_request)
-from pipeline.errors import DitServeError, InternalError, InvalidRequestError, OverloadedError, ServiceUnavailableError
+from pipeline.contract.images import (ImageData, ImageGenerationRequest, ImageGenerationResponse,
+                                      validate_image_request)
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
+from pipeline.errors import DitServeError, InternalError, InvalidRequestError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, resolve, resolve_video
+from pipeline.wire import GenerationMetadata
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    """A Ray-wrapped error from the router or a replica → the ditserve error it carries."""
+    """A Ray-wrapped error from the router or a replica → the error it carries."""
     cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, DitServeError) else exc
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def as_ditserve_error(exc: BaseException) -> DitServeError:
+    """What a call into the Router raised, as the error the client gets: a ditserve error as it
+    is; the Router's actor gone (stopping, dead, restarting) as 503 ``unavailable``; anything
+    else as a 500 that names no internals."""
+    cause = _unwrap(exc)
+    if isinstance(cause, DitServeError):
+        return cause
+    if isinstance(cause, (RayActorError, ActorUnavailableError)) or isinstance(exc, (RayActorError,
+                                                                                    ActorUnavailableError)):
+        return ServiceUnavailableError("the router is unavailable (restarting or shutting down); retry shortly",
+                                       code="unavailable")
+    return InternalError(f"internal error ({type(cause).__name__})")
 
 
 def error_response(exc: DitServeError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else None
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers)
 
 
@@ -46,6 +64,12 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
 @api.exception_handler(DitServeError)
 async def _ditserve_error(_request: Request, exc: DitServeError) -> JSONResponse:
     return error_response(exc)
+
+
+@api.exception_handler(Exception)
+async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:
+    """Anything else: a 500 in OpenAI's envelope that names no internals (never a trace)."""
+    return error_response(as_ditserve_error(exc))
 
 
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
@@ -117,13 +141,7 @@ class Ingress:
 
     def reconfigure(self, acceleration: dict) -> None:
         """Serve's ``user_config`` hook: new acceleration defaults apply to the next request."""
-        acc = acceleration
-        self._defaults = AccelerationDefaults(
-            enable_cache_dit=acc["enable_cache_dit"],
-            cache_dit_params=freeze_cache_dit_params(acc["cache_dit_params"]),
-            cfg_gate_step=acc["cfg_gate_step"],
-            attention_backend=acc["attention_backend"],
-        )
+        self._defaults = AccelerationDefaults.from_config(acceleration)
 
     async def _serving_limits(self) -> ServingLimits:
         if self._limits is None:
@@ -146,22 +164,11 @@ class Ingress:
         limits = await self._serving_limits()
         validated = validate_image_request(request, limits)
         params = resolve(validated, limits, self._defaults)
-        try:
-            out = await self._router.submit.remote(params)
-        except Exception as exc:
-            raise _unwrap(exc) from None
-        metadata = {
-            "request_id": out.request_id,
-            **out.metadata,
-            "seed": out.seed,
-            "timings_ms": {**{k: round(v, 3) for k, v in out.timings_ms.items()},
-                           "total": round((time.perf_counter() - started) * 1e3, 3)},
-            "acceleration": out.acceleration,
-        }
+        out = await self._call(self._router.submit, params)
         return ImageGenerationResponse(
             created=int(time.time()),
-            data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out.pngs],
-            ditserve=metadata)
+            data=[ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out.images],
+            ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
         """Create a video job (same contract as ``POST /v1/videos``) and return it at once.
@@ -171,11 +178,11 @@ class Ingress:
         """
         limits = await self._serving_limits()
         params = resolve_video(validate_video_request(request, limits), limits, self._defaults)
-        return VideoJob(**await self._call(self._router.create_job, params))
+        return await self._call(self._router.create_job, params)
 
     async def video_status(self, video_id: str) -> VideoJob:
         """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404)."""
-        return VideoJob(**await self._call(self._router.get_job, video_id))
+        return await self._call(self._router.get_job, video_id)
 
     async def video_content(self, video_id: str) -> bytes:
         """The finished job's MP4. Raises ``NotFoundError`` or ``InvalidRequestError`` (not completed)."""
@@ -187,10 +194,11 @@ class Ingress:
 
     @staticmethod
     async def _call(method, *args):
+        """Call the Router; raises the ditserve error the client gets (``as_ditserve_error``)."""
         try:
             return await method.remote(*args)
         except Exception as exc:
-            raise _unwrap(exc) from None
+            raise as_ditserve_error(exc) from None
 
     async def models(self) -> dict:
         """OpenAI's model list: the one model this application serves."""
@@ -207,16 +215,7 @@ class Ingress:
             body = json.loads(await request.body() or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"request body is not valid JSON: {exc}", param="body") from None
-        try:
-            response = await self.generate(body)
-        except DitServeError:
-            raise
-        except Exception as exc:
-            cause = _unwrap(exc)
-            if isinstance(cause, DitServeError):
-                raise cause from None
-            raise InternalError(f"internal error ({type(cause).__name__})") from None
-        return response.model_dump()
+        return (await self.generate(body)).model_dump()
 
     @api.post("/v1/videos")
     async def http_create_video(self, request: Request):
@@ -225,8 +224,8 @@ class Ingress:
 
     @api.get("/v1/videos")
     async def http_list_videos(self):
-        return {"object": "list", "data": [VideoJob(**j).model_dump() for j in await self._call(
-            self._router.list_jobs)], "has_more": False}
+        return {"object": "list", "data": [job.model_dump() for job in await self._call(self._router.list_jobs)],
+                "has_more": False}
 
     @api.get("/v1/videos/{video_id}")
     async def http_video(self, video_id: str):

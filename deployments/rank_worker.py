@@ -16,7 +16,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.runner import Batch, BatchRunner
+from pipeline.runner import BatchRunner
+from pipeline.wire import Batch
 
 
 def make_runner(model: dict, acceleration: dict) -> BatchRunner:
@@ -51,7 +52,7 @@ class RankWorker:
         """This rank's cache-dit record of the last batch: cached steps and residual diffs."""
         import cache_dit
 
-        stats = cache_dit.summary(self.runner.family.transformer, logging=False) or []
+        stats = cache_dit.summary(self.runner.family.transformers["transformer"], logging=False) or []
         return {"cached_steps": list(stats[0].cached_steps) if stats else [],
                 "residual_diffs": dict(stats[0].residual_diffs) if stats else {}}
 

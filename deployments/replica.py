@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import torch
 from ray import serve
-
 from ray.exceptions import RayActorError, RayTaskError
 
 from deployments.autoscaling import router_queue_stats
 from deployments.rank_worker import RankGroup, make_runner
 from parallel.config import ParallelConfig
-from pipeline.accel import freeze_cache_dit_params
-from pipeline.contract import ImageGenerationRequest, VideoGenerationRequest
-from pipeline.runner import Batch, ModelFacts
+from pipeline.contract.images import ImageGenerationRequest
+from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import BatchSignature
+from pipeline.wire import Batch, BatchReport, ModelFacts
 
 # Fault injection for chaos tests and drills: a batch whose signature text contains this
 # substring fails inside the replica (as a real model error would).
@@ -29,12 +29,21 @@ def default_params(model_name: str, acceleration: dict, limits: dict, facts: Mod
     from deployments.config import LimitsConfig
 
     serving = facts.limits(model_name, LimitsConfig.model_validate(limits).model_dump())
-    defaults = AccelerationDefaults(acceleration.get("enable_cache_dit", False),
-                                    freeze_cache_dit_params(acceleration.get("cache_dit_params")),
-                                    acceleration.get("cfg_gate_step", 1.0), acceleration.get("attention_backend"))
+    defaults = AccelerationDefaults.from_config(acceleration)
     if facts.temporal_factor:
         return resolve_video(VideoGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
+
+
+def log_to_serve() -> None:
+    """Send the ``ditserve`` loggers' INFO records (the runner's state actions) to this Serve
+    replica's log, through Serve's own handlers."""
+    ours, serves = logging.getLogger("ditserve"), logging.getLogger("ray.serve")
+    ours.setLevel(logging.INFO)
+    for handler in serves.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.propagate = False
 
 
 @serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
@@ -51,6 +60,7 @@ class DiTReplica:
                  limits: dict | None = None, parallel: dict | None = None, rank_resources: dict | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        log_to_serve()
         acceleration = acceleration or {}
         self._runner = make_runner(model, acceleration)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -87,7 +97,7 @@ class DiTReplica:
 
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
-                **self._runner.state(), **self._runner.counters()}
+                **self._runner.state_report(), **self._runner.counters()}
 
     async def run_batch(self, batch: Batch):
         """Run one batch; an async generator (called through a streaming handle): yields
@@ -128,13 +138,9 @@ class DiTReplica:
                                                 or "Connection" in str(exc)):
                     self._broken = f"a rank failed during batch {batch.batch_id}: {type(exc).__name__}"
                 raise
+        report = BatchReport(batch_id=batch.batch_id, batch_size=batch.size, signature=str(batch.signature),
+                             replica=self._replica_id, world_size=self._parallel.world_size,
+                             state_change=state_change)
         for out in outputs:
-            out.metadata = {
-                "batch_id": batch.batch_id,
-                "batch_size": batch.size,
-                "signature": str(batch.signature),
-                "replica": self._replica_id,
-                "world_size": self._parallel.world_size,
-                "state_change": state_change,
-            }
+            out.batch = report
         yield outputs

@@ -1,11 +1,12 @@
-"""SignatureAffinityRouter: Ray Serve's request-router extension point, used for DiTReplica.
+"""StateAffinityReplicaChooser: picks the DiTReplica for a batch, inside Ray Serve's request routing.
 
-Replicas report the signature of the last batch they ran through ``record_routing_stats``;
-this router also remembers where it sent each batch (fresher than the periodic stats). For
-a batch it ranks the replica the Router meant it for first, then the replicas whose state
-matches the batch's signature, then all others; within a rank Serve takes the least loaded replica that has room, and when every
-replica is full Serve's routing loop backs off (``initial_backoff_s`` ×
-``backoff_multiplier``) instead of spinning.
+It plugs into Serve's request-router extension point (``RequestRouter``, set as DiTReplica's
+``request_router_config``). Replicas report the signature of the last batch they ran through
+``record_routing_stats``; the chooser also remembers where it sent each batch (fresher than the
+periodic stats). For a batch it ranks the replica the Router meant it for first, then the
+replicas whose state matches the batch's signature, then all others; within a rank Serve takes
+the least loaded replica that has room, and when every replica is full Serve's routing loop
+backs off (``initial_backoff_s`` × ``backoff_multiplier``) instead of spinning.
 
 The Router deployment that owns the DiTReplica handle runs in the same process as this
 object; it reads :meth:`replica_views` to form batches only when a replica can take one.
@@ -15,15 +16,16 @@ from __future__ import annotations
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from compat import ray_serve as compat
 from deployments.scheduling import ReplicaView
-from pipeline.runner import Batch
+from pipeline.wire import Batch
 
-# (app name, deployment name) -> the live router of that deployment in this process.
-_ROUTERS: dict[tuple[str, str], "SignatureAffinityRouter"] = {}
+# (app name, deployment name) -> the live chooser of that deployment in this process.
+_CHOOSERS: dict[tuple[str, str], "StateAffinityReplicaChooser"] = {}
 
 
-def router_for(app_name: str, deployment_name: str) -> "SignatureAffinityRouter | None":
-    return _ROUTERS.get((app_name, deployment_name))
+def chooser_for(app_name: str, deployment_name: str) -> "StateAffinityReplicaChooser | None":
+    return _CHOOSERS.get((app_name, deployment_name))
 
 
 def _batch_of(pending_request: PendingRequest | None) -> Batch | None:
@@ -33,7 +35,7 @@ def _batch_of(pending_request: PendingRequest | None) -> Batch | None:
     return arg if isinstance(arg, Batch) else None
 
 
-class SignatureAffinityRouter(FIFOMixin, RequestRouter):
+class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
     """Prefers a replica whose acceleration state already matches the batch's signature."""
 
     def initialize_state(self, **kwargs):
@@ -41,23 +43,23 @@ class SignatureAffinityRouter(FIFOMixin, RequestRouter):
         self._inflight: dict[str, ReplicaID] = {}
         # Serve may load this class from a by-value pickle whose globals are a copy; register
         # in the module the Router deployment imports.
-        import deployments.request_router as registry
+        import deployments.replica_chooser as registry
 
-        registry._ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+        registry._CHOOSERS[(self.app_name, compat.deployment_name(self))] = self
 
-    def state_of(self, replica: RunningReplica) -> str | None:
+    def last_signature_of(self, replica: RunningReplica) -> str | None:
         if replica.replica_id in self._routed_state:
             return self._routed_state[replica.replica_id]
         return (replica.routing_stats or {}).get("signature")
 
     def replica_views(self) -> list[ReplicaView]:
         busy = set(self._inflight.values())
-        return [ReplicaView(r.replica_id.unique_id, self.state_of(r), r.replica_id in busy)
-                for r in self._replicas_list]
+        return [ReplicaView(r.replica_id.unique_id, self.last_signature_of(r), r.replica_id in busy)
+                for r in self.curr_replicas.values()]
 
     def replica_stats(self) -> dict[str, dict]:
-        return {r.replica_id.unique_id: {"state": self.state_of(r), **(r.routing_stats or {})}
-                for r in self._replicas_list}
+        return {r.replica_id.unique_id: {"state": self.last_signature_of(r), **(r.routing_stats or {})}
+                for r in self.curr_replicas.values()}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -66,8 +68,8 @@ class SignatureAffinityRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         signature = batch.signature.digest
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == batch.preferred_replica]
-        matching = [r for r in candidate_replicas if self.state_of(r) == signature and r not in preferred]
-        others = [r for r in candidate_replicas if self.state_of(r) != signature and r not in preferred]
+        matching = [r for r in candidate_replicas if self.last_signature_of(r) == signature and r not in preferred]
+        others = [r for r in candidate_replicas if self.last_signature_of(r) != signature and r not in preferred]
         return [ranked for ranked in (preferred, matching, others) if ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:

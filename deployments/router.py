@@ -1,9 +1,11 @@
 """Router: one FIFO queue per batch signature; forms batches and hands them to replicas.
 
-It decides what runs next and never touches a tensor. Batches are formed only when a
-replica can take one (late binding); which queue is cut is ``deployments.scheduling``'s
-pure decision (readiness, state affinity, starvation bound). Every accepted request gets
-exactly one answer: its output, or an error (failed batch, deadline, shutdown).
+It decides what runs next and never touches a tensor (it imports no torch). Batches are formed
+only when a replica can take one (late binding); which queue is cut is
+``deployments.scheduling``'s pure decision (readiness, state affinity, starvation bound). Every
+accepted request gets exactly one answer: its output, or an error (failed batch, deadline); if
+the Router itself stops or dies first, the Ingress answers for it (503 ``unavailable``). One
+admission check (:meth:`Router._admit`) serves image requests and video jobs.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.config import BatchingConfig
-from deployments.request_router import router_for
+from deployments.jobs import JobStore, VideoJobs
+from deployments.replica_chooser import chooser_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
-from pipeline.errors import (DitServeError, InternalError, InvalidRequestError, NotFoundError, OverloadedError,
-                             RequestTimeoutError, ServiceUnavailableError)
-from pipeline.runner import Batch, ModelFacts, RequestOutput
+from pipeline.contract.videos import VideoJob
+from pipeline.errors import DitServeError, InternalError, OverloadedError, RequestTimeoutError
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
+from pipeline.wire import Batch, ModelFacts, RequestOutput
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,7 +42,10 @@ REPLICA_POLL_S = 0.1
 
 @dataclass(eq=False)
 class _Pending:
+    """One admitted request in its signature's queue, until its batch answers it."""
+
     params: SamplingParams
+    signature: BatchSignature
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
     on_progress: Callable[[int, int], None] | None = None  # (steps done, steps) while its batch runs
@@ -50,8 +56,7 @@ class _Pending:
         return float(p.width * p.height * p.num_frames * p.n)
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, graceful_shutdown_timeout_s=60,
-                  ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
 class Router:
     """Queues, batch formation and replica choice for one DiTReplica deployment.
 
@@ -64,13 +69,12 @@ class Router:
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
         self._capacity = capacity
-        self._jobs = JobStore(**(videos or {}))
+        self._jobs = VideoJobs(JobStore(**(videos or {})), self._wait)
         self.reconfigure_batching(BatchingConfig().model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._inflight = 0
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
-        self._draining = False
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._facts: ModelFacts | None = None
@@ -105,36 +109,37 @@ class Router:
             self._facts = await self._replica.facts.remote()
         return self._facts
 
-    # -- requests -----------------------------------------------------------------------
-    async def submit(self, params: SamplingParams, on_progress: Callable[[int, int], None] | None = None
-                     ) -> RequestOutput:
-        """Queue one request and wait for its output. ``on_progress(done, steps)`` (in-process
-        callers only) is called as its batch's denoising steps complete.
-
-        Raises ``OverloadedError`` at once when ``max_queued_requests`` are waiting,
-        ``ServiceUnavailableError`` while shutting down, ``RequestTimeoutError`` when
-        ``params.timeout_s`` passes first, ``InternalError`` if its batch fails.
-        """
-        if self._scheduler is None:
-            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
-        if self._draining:
-            self._reject("shutting_down")
-            raise ServiceUnavailableError("server is shutting down", code="shutting_down",
-                                          request_id=params.request_id)
+    # -- admission and queues -------------------------------------------------------------
+    def _admit(self, params: SamplingParams) -> None:
+        """Raise ``OverloadedError`` when ``max_queued_requests`` are waiting, counting the
+        rejection; else return."""
         if self._queued >= self._max_queued:
             self._reject("overloaded")
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
-        pending = _Pending(params, asyncio.get_running_loop().create_future(), on_progress=on_progress)
+
+    def _enqueue(self, params: SamplingParams, on_progress=None) -> _Pending:
+        """Put an admitted request in its signature's queue (no await: admission and queueing
+        are one step of the event loop)."""
+        if self._scheduler is None:
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
         signature = BatchSignature.of(params)
+        pending = _Pending(params, signature, asyncio.get_running_loop().create_future(), on_progress=on_progress)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
         self._metric_queue_depth.set(len(self._queues[signature]), tags={"signature": signature.digest})
         self._wakeup.set()
+        return pending
+
+    async def _wait(self, pending: _Pending) -> RequestOutput:
+        """The output of an enqueued request; raises its batch's error, or
+        ``RequestTimeoutError`` when ``timeout_s`` passes first (it then leaves its queue)."""
+        params = pending.params
         try:
             if params.timeout_s is None:
                 return await pending.future
-            return await asyncio.wait_for(asyncio.shield(pending.future), params.timeout_s)
+            remaining = params.timeout_s - (time.monotonic() - pending.enqueued)
+            return await asyncio.wait_for(asyncio.shield(pending.future), max(remaining, 0.0))
         except asyncio.TimeoutError:
             self._forget(pending)
             self._reject("timeout")
@@ -146,14 +151,23 @@ class Router:
                 self._counters["cancelled"] += 1
             raise
 
+    async def submit(self, params: SamplingParams) -> RequestOutput:
+        """Queue one request and wait for its output.
+
+        Raises ``OverloadedError`` at once when ``max_queued_requests`` are waiting,
+        ``RequestTimeoutError`` when
+        ``params.timeout_s`` passes first, ``InternalError`` if its batch fails.
+        """
+        self._admit(params)
+        return await self._wait(self._enqueue(params))
+
     def _forget(self, pending: _Pending) -> bool:
-        signature = BatchSignature.of(pending.params)
-        queue = self._queues.get(signature)
+        queue = self._queues.get(pending.signature)
         if queue is None or pending not in queue:
             return False
         queue.remove(pending)
         self._queued -= 1
-        self._metric_queue_depth.set(len(queue), tags={"signature": signature.digest})
+        self._metric_queue_depth.set(len(queue), tags={"signature": pending.signature.digest})
         return True
 
     def _reject(self, reason: str) -> None:
@@ -162,8 +176,8 @@ class Router:
 
     # -- scheduling ---------------------------------------------------------------------
     def _replica_views(self) -> list[ReplicaView] | None:
-        router = router_for(self._replica.app_name, self._replica.deployment_name)
-        views = router.replica_views() if router is not None else []
+        chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
+        views = chooser.replica_views() if chooser is not None else []
         return views or None
 
     def _queue_views(self, now: float) -> list[QueueView]:
@@ -172,7 +186,7 @@ class Router:
 
     def _cut(self, digest: str) -> list[_Pending]:
         signature, queue = next((s, q) for s, q in self._queues.items() if q and s.digest == digest)
-        batch, images, cost = [queue.popleft()], 0, 0.0
+        batch = [queue.popleft()]
         images, cost = batch[0].params.n, batch[0].cost
         while queue and images + queue[0].params.n <= self._max_batch_size and (
                 self._max_batch_cost is None or cost + queue[0].cost <= self._max_batch_cost):
@@ -194,7 +208,7 @@ class Router:
                 replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(self._capacity)]
             else:  # a batch counts against its replica from dispatch on, before Serve routes it
                 claimed = set(self._claims.values())
-                replicas = [ReplicaView(r.replica_id, r.state, r.busy or r.replica_id in claimed)
+                replicas = [ReplicaView(r.replica_id, r.last_signature, r.busy or r.replica_id in claimed)
                             for r in replicas]
             decision = choose_queue(
                 queues, replicas, max_batch_size=self._max_batch_size, max_wait_s=self._max_wait_s,
@@ -202,7 +216,7 @@ class Router:
                 affinity=self._affinity) if queues else None
             if decision is not None and self._inflight < len(replicas):
                 self._counters[f"routing_{decision.reason}"] += 1
-                self._metric_routing.inc(tags={"decision": decision.reason})
+                self._metric_routing.inc(tags={"decision": decision.reason.value})
                 self._inflight += 1
                 asyncio.get_running_loop().create_task(
                     self._run(self._cut(decision.signature), decision.replica_id if known else None))
@@ -218,9 +232,8 @@ class Router:
 
     async def _run(self, pending: list[_Pending], replica_id: str | None) -> None:
         dispatched = time.monotonic()
-        params = tuple(p.params for p in pending)
-        batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", BatchSignature.of(params[0]), params,
-                      preferred_replica=replica_id)
+        batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", pending[0].signature,
+                      tuple(p.params for p in pending), preferred_replica=replica_id)
         if replica_id is not None:
             self._claims[batch.batch_id] = replica_id
         self._metric_batch_size.observe(batch.size)
@@ -240,7 +253,7 @@ class Router:
             if outputs is None or len(outputs) != len(pending):
                 raise RuntimeError(f"replica answered {0 if outputs is None else len(outputs)} outputs "
                                    f"for {len(pending)} requests")
-            for p, out in zip(pending, outputs):
+            for p, out in zip(pending, outputs, strict=True):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
                 if not p.future.done():
                     p.future.set_result(out)
@@ -265,166 +278,42 @@ class Router:
             self._inflight -= 1
             self._wakeup.set()
 
+    # -- video jobs: admitted and enqueued here, tracked in deployments.jobs ------------------
+    async def create_job(self, params: SamplingParams) -> VideoJob:
+        """Admit and enqueue a video request as a job and return the job at once
+        (``status: queued``). Raises ``OverloadedError`` as ``submit``."""
+        self._admit(params)
+        job = self._jobs.store.add(params)
+        pending = self._enqueue(params, on_progress=job.on_progress)
+        return self._jobs.track(job, pending)
+
+    def list_jobs(self) -> list[VideoJob]:
+        return self._jobs.list()
+
+    def get_job(self, job_id: str) -> VideoJob:
+        return self._jobs.get(job_id)
+
+    def job_content(self, job_id: str) -> bytes:
+        return self._jobs.content(job_id)
+
+    def delete_job(self, job_id: str) -> dict:
+        return self._jobs.delete(job_id)
+
     # -- observability and lifecycle -----------------------------------------------------
     def stats(self) -> dict:
-        router = router_for(self._replica.app_name, self._replica.deployment_name)
+        chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
         return {
             "router_replica": serve.get_replica_context().replica_id.unique_id,
             "max_batch_size": self._max_batch_size,
             "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
             "queued": self._queued,
             "inflight_batches": self._inflight,
-            "replicas": router.replica_stats() if router is not None else {},
+            "replicas": chooser.replica_stats() if chooser is not None else {},
             "counters": dict(self._counters),
         }
-
-    # -- video jobs (OpenAI's video API: create, retrieve, content, delete) ----------------
-    async def create_job(self, params: SamplingParams) -> dict:
-        """Accept a video request as a job and return its object at once (``status: queued``).
-        The job moves to ``in_progress`` when its batch starts, ``progress`` follows the
-        denoising steps, and it ends ``completed`` or ``failed`` (with the error), never stuck.
-        Raises ``OverloadedError`` / ``ServiceUnavailableError`` as ``submit``."""
-        if self._draining:
-            raise ServiceUnavailableError("server is shutting down", code="shutting_down")
-        if self._queued >= self._max_queued:
-            self._reject("overloaded")
-            raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
-                                  code="overloaded", request_id=params.request_id)
-        job = self._jobs.add(params)
-        job.task = asyncio.get_running_loop().create_task(self._run_job(job))
-        return job.view()
-
-    async def _run_job(self, job: "Job") -> None:
-        def progress(done: int, steps: int) -> None:
-            if job.completed_at is not None:  # failed already (deadline, deletion): its batch runs on
-                return
-            job.status = "in_progress"
-            job.progress = max(job.progress, min(99, int(100 * done / steps)))
-
-        try:
-            job.output = await self.submit(job.params, on_progress=progress)
-            job.finish("completed")
-        except asyncio.CancelledError:
-            job.finish("failed", {"code": "cancelled", "message": "the job was deleted"})
-        except DitServeError as exc:
-            job.finish("failed", {"code": exc.code or type(exc).__name__, "message": str(exc)})
-        except Exception as exc:  # never leave a job in_progress
-            job.finish("failed", {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"})
-
-    def list_jobs(self) -> list[dict]:
-        """Every job kept (queued, running and finished within retention), newest first."""
-        return [job.view() for job in self._jobs.all()]
-
-    def get_job(self, job_id: str) -> dict:
-        """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""
-        return self._jobs.get(job_id).view()
-
-    def job_content(self, job_id: str) -> bytes:
-        """The finished job's MP4 bytes. Raises ``NotFoundError`` (404), or
-        ``InvalidRequestError`` (400) while the job is not completed."""
-        job = self._jobs.get(job_id)
-        if job.status != "completed":
-            raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
-                                      param="video_id", code="video_not_ready")
-        return job.output.videos[0]
-
-    def delete_job(self, job_id: str) -> dict:
-        """Forget a job; a queued or running one is cancelled (it leaves its queue; a batch
-        already running finishes without it). Raises ``NotFoundError`` (404)."""
-        job = self._jobs.pop(job_id)
-        if job.task is not None and not job.task.done():
-            job.task.cancel()
-        return {"id": job_id, "object": "video.deleted", "deleted": True}
 
     def queue_depth(self) -> dict[str, int]:
         """Requests and images (a request counts ``n``) queued here, not yet dispatched: the
         signal DiTReplica autoscales on (``deployments.autoscaling``)."""
         return {"requests": self._queued,
                 "images": sum(p.params.n for queue in self._queues.values() for p in queue)}
-
-    async def __del__(self):
-        """Serve calls this after draining (graceful_shutdown_timeout_s): answer what is left."""
-        self._draining = True
-        for queue in self._queues.values():
-            while queue:
-                pending = queue.popleft()
-                self._queued -= 1
-                if not pending.future.done():
-                    self._reject("shutting_down")
-                    pending.future.set_exception(ServiceUnavailableError(
-                        "server shut down before the request ran", code="shutting_down",
-                        request_id=pending.params.request_id))
-
-
-@dataclass(eq=False)
-class Job:
-    """One video job: its request, state, output and timestamps (Unix seconds)."""
-
-    params: SamplingParams
-    created_at: float = field(default_factory=time.time)
-    status: str = "queued"
-    progress: int = 0
-    completed_at: float | None = None
-    ttl_s: float = 3600.0
-    error: dict | None = None
-    output: RequestOutput | None = None
-    task: asyncio.Task | None = None
-
-    def finish(self, status: str, error: dict | None = None) -> None:
-        self.status, self.error, self.completed_at = status, error, time.time()
-        if status == "completed":
-            self.progress = 100
-
-    def view(self) -> dict:
-        p = self.params
-        ditserve = {"num_frames": p.num_frames, "fps": p.fps, "seed": p.seed}
-        if self.output is not None:
-            ditserve.update(self.output.metadata, timings_ms=self.output.timings_ms,
-                            acceleration=self.output.acceleration)
-        return {"id": p.request_id, "object": "video", "model": p.model, "status": self.status,
-                "progress": self.progress, "created_at": int(self.created_at),
-                "completed_at": None if self.completed_at is None else int(self.completed_at),
-                "expires_at": None if self.completed_at is None else int(self.completed_at + self.ttl_s),
-                "size": f"{p.width}x{p.height}", "seconds": f"{p.num_frames / p.fps:g}", "error": self.error,
-                "ditserve": ditserve}
-
-
-class JobStore:
-    """Video jobs by id. Finished jobs are evicted ``ttl_s`` seconds after they finish, and
-    beyond ``max_finished`` finished jobs the oldest go first; running ones are never evicted."""
-
-    def __init__(self, ttl_s: float = 3600.0, max_finished: int = 100):
-        self.ttl_s = ttl_s
-        self.max_finished = max_finished
-        self._jobs: dict[str, Job] = {}
-
-    def add(self, params: SamplingParams) -> Job:
-        self.evict()
-        job = Job(params, ttl_s=self.ttl_s)
-        self._jobs[params.request_id] = job
-        return job
-
-    def get(self, job_id: str) -> Job:
-        self.evict()
-        if job_id not in self._jobs:
-            raise NotFoundError(f"no video job {job_id!r} (unknown, deleted, or expired after its retention)",
-                                param="video_id", code="video_not_found")
-        return self._jobs[job_id]
-
-    def all(self) -> list[Job]:
-        self.evict()
-        return sorted(self._jobs.values(), key=lambda j: j.created_at, reverse=True)
-
-    def pop(self, job_id: str) -> Job:
-        job = self.get(job_id)
-        del self._jobs[job_id]
-        return job
-
-    def evict(self, now: float | None = None) -> None:
-        now = time.time() if now is None else now
-        finished = sorted((j for j in self._jobs.values() if j.completed_at is not None),
-                          key=lambda j: j.completed_at)
-        expired = [j for j in finished if j.completed_at + self.ttl_s <= now]
-        expired += [j for j in finished if j not in expired][:max(0, len(finished) - len(expired) - self.max_finished)]
-        for job in expired:
-            self._jobs.pop(job.params.request_id, None)

@@ -22,6 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.modes import StrEnum
+
+
+class RoutingDecision(StrEnum):
+    """Why a queue was dispatched to a replica (see the module docstring)."""
+
+    FIFO = "fifo"
+    HIT = "hit"
+    MISS = "miss"
+    STARVATION = "starvation"
+
 
 @dataclass(frozen=True)
 class QueueView:
@@ -34,14 +45,14 @@ class QueueView:
 @dataclass(frozen=True)
 class ReplicaView:
     replica_id: str
-    state: str | None   # digest of the signature it last ran (None: fresh replica)
+    last_signature: str | None  # digest of the signature it last ran: its acceleration state (None: fresh)
     busy: bool
 
 
 @dataclass(frozen=True)
 class Decision:
     signature: str
-    reason: str         # "fifo" | "hit" | "miss" | "starvation"
+    reason: RoutingDecision
     replica_id: str     # the free replica the batch is meant for
 
 
@@ -64,22 +75,23 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     if not ready:
         return None
     if not affinity:
-        return Decision(ready[0].signature, "fifo", free[0].replica_id)
+        return Decision(ready[0].signature, RoutingDecision.FIFO, free[0].replica_id)
     wanted = {q.signature for q in queues if q.images}
-    held = {r.state for r in replicas}
+    held = {r.last_signature for r in replicas}
     # Replicas that may switch without abandoning queued work in their own state.
-    spare = sorted((r for r in free if r.state not in wanted), key=lambda r: r.state is not None)
+    spare = sorted((r for r in free if r.last_signature not in wanted), key=lambda r: r.last_signature is not None)
     for q in ready:
-        match = next((r for r in free if r.state == q.signature), None)
+        match = next((r for r in free if r.last_signature == q.signature), None)
         if match is not None:
-            return Decision(q.signature, "hit", match.replica_id)
+            return Decision(q.signature, RoutingDecision.HIT, match.replica_id)
         if q.head_age_s >= max_affinity_wait_s:
             target = (spare or free)[0].replica_id
-            return Decision(q.signature, "starvation" if q.signature in held else "miss", target)
+            reason = RoutingDecision.STARVATION if q.signature in held else RoutingDecision.MISS
+            return Decision(q.signature, reason, target)
     unheld = [q for q in ready if q.signature not in held]
     if spare and unheld:  # switch once, for the queue that fills the biggest batch
         q = max(unheld, key=lambda q: (q.images, q.head_age_s))
-        return Decision(q.signature, "miss", spare[0].replica_id)
+        return Decision(q.signature, RoutingDecision.MISS, spare[0].replica_id)
     return None
 
 

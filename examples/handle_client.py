@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         path.write_bytes(base64.b64decode(result.data[0].b64_json))
         meta = result.ditserve
-        print(f"image written to {path} (request {meta['request_id']}, batch of {meta['batch_size']}, "
-              f"replica {meta['replica']}, {meta['timings_ms']['total']:.0f} ms)")
+        print(f"image written to {path} (request {meta.request_id}, batch of {meta.batch_size}, "
+              f"replica {meta.replica}, {meta.timings_ms['total']:.0f} ms)")
 
     # An invalid request raises a typed error on the caller's side; the server keeps serving.
     try:

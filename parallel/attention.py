@@ -1,8 +1,7 @@
 """Attention over a sequence sharded across ranks, through yunchang's LongContextAttention.
 
-Kernel map (request name -> yunchang ``AttnType``): on CUDA ``fa`` -> FA, ``sage_attn`` ->
-SAGE_AUTO, ``torch_sdpa``/default -> TORCH_EFFICIENT, ``torch_math`` -> TORCH_MATH. On CPU
-every name runs PyTorch math attention. yunchang's TORCH_MATH returns a zero log-sum-exp,
+Kernels: on CUDA each request name runs the yunchang ``AttnType`` of its ``parallel.kernels``
+entry (the default: ``torch_sdpa``'s). On CPU every name runs PyTorch math attention. yunchang's TORCH_MATH returns a zero log-sum-exp,
 which is only right with ``ring_degree == 1``; for ring attention ditserve passes yunchang
 :func:`lse_math_attention` through its ``attn_processor`` hook, an exact kernel that returns
 the real log-sum-exp, so ring parallelism is correct (and tested) on CPU.
@@ -12,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-# request name (None: the server default) -> yunchang AttnType name on CUDA
-CUDA_KERNELS = {None: "TORCH_EFFICIENT", "torch_sdpa": "TORCH_EFFICIENT", "torch_math": "TORCH_MATH",
-                "fa": "FA", "sage_attn": "SAGE_AUTO"}
+from compat import yunchang as compat
+from parallel.kernels import KERNELS
+
+DEFAULT_KERNEL = "torch_sdpa"  # what a layer without an override runs under sequence parallelism
 
 
 def lse_math_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -43,17 +43,14 @@ class USPAttention:
         self._layers: dict = {}
 
     def _layer(self, name: str | None):
-        from yunchang import LongContextAttention
-        from yunchang.kernels import AttnType
-
         key = name if self.device_type == "cuda" else "cpu"
         if key not in self._layers:
             if self.device_type == "cuda" and not (name == "torch_math" and self.ring_degree > 1):
-                layer = LongContextAttention(attn_type=getattr(AttnType, CUDA_KERNELS.get(name, "TORCH_EFFICIENT")))
+                layer = compat.long_context_attention(KERNELS[name or DEFAULT_KERNEL].yunchang)
             elif self.ring_degree == 1:
-                layer = LongContextAttention(attn_type=AttnType.TORCH_MATH)
-            else:  # no AttnType reaches the attn_processor branch of yunchang's kernel selector
-                layer = LongContextAttention(attn_type=None, attn_processor=lse_math_attention)
+                layer = compat.long_context_attention("TORCH_MATH")
+            else:  # exact log-sum-exp for ring merges (compat.yunchang says how it reaches yunchang)
+                layer = compat.long_context_attention(None, attn_processor=lse_math_attention)
             self._layers[key] = layer
         return self._layers[key]
 

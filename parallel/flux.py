@@ -10,14 +10,13 @@ diffusers' built-in context-parallel attention: each attention processor is repl
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
+from compat import diffusers as compat
 from parallel.attention import USPAttention
 from parallel.config import ParallelConfig
+from parallel.kernels import kernel_for_backend
 from parallel.sharding import apply_sequence_split
-
-# diffusers AttentionBackendName value -> ditserve kernel name (per-request override)
-_BACKEND_TO_KERNEL = {"flash": "fa", "native": "torch_sdpa", "sage": "sage_attn", "_native_math": "torch_math"}
 
 
 class USPFluxAttnProcessor(FluxAttnProcessor):
@@ -36,7 +35,7 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
 
         if attention_mask is not None:
             raise ValueError("sequence-parallel FLUX attention takes no attention mask")
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        query, key, value, encoder_query, encoder_key, encoder_value = compat.flux_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
         key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
@@ -48,8 +47,7 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        backend = getattr(self._attention_backend, "value", self._attention_backend)
-        hidden_states = self.usp(query, key, value, kernel=_BACKEND_TO_KERNEL.get(backend))
+        hidden_states = self.usp(query, key, value, kernel=kernel_for_backend(compat.get_processor_backend(self)))
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return hidden_states
@@ -62,7 +60,7 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
     """Shard a FLUX.1 ``transformer``'s sequence across the mesh: yunchang attention in every
-    attention layer, diffusers' split/gather hooks from ``transformer._cp_plan``."""
+    attention layer, diffusers' split/gather hooks from its ``_cp_plan``."""
     usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         if isinstance(getattr(module, "processor", None), FluxAttnProcessor):

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from compat import diffusers as compat
 from parallel.config import ParallelConfig
+
+_LAYOUT = "_ditserve_cp"  # our own attribute: the layout the hooks were installed with
 
 
 def apply_sequence_split(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
-    """Install the split/gather hooks of ``transformer._cp_plan`` for this rank of ``mesh``."""
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ContextParallelConfig
-
-    cp = ContextParallelConfig(ring_degree=config.ring_degree, ulysses_degree=config.ulysses_degree)
+    """Install the split/gather hooks of the transformer's ``_cp_plan`` for this rank of ``mesh``."""
+    cp = compat.context_parallel_config(config.ring_degree, config.ulysses_degree)
     cp.setup(rank, config.world_size, transformer.device, mesh)
-    transformer._ditserve_cp = cp
-    apply_context_parallel(transformer, cp, transformer._cp_plan)
+    setattr(transformer, _LAYOUT, cp)
+    compat.apply_context_parallel(transformer, cp)
 
 
 class sequence_split_suspended:
@@ -30,18 +30,14 @@ class sequence_split_suspended:
 
     def __init__(self, transformer: torch.nn.Module):
         self.transformer = transformer
-        self.cp = getattr(transformer, "_ditserve_cp", None)
+        self.cp = getattr(transformer, _LAYOUT, None)
 
     def __enter__(self):
         if self.cp is not None:
-            from diffusers.hooks.context_parallel import remove_context_parallel
-
-            remove_context_parallel(self.transformer, self.transformer._cp_plan)
+            compat.remove_context_parallel(self.transformer)
         return self
 
     def __exit__(self, *exc):
         if self.cp is not None:
-            from diffusers.hooks.context_parallel import apply_context_parallel
-
-            apply_context_parallel(self.transformer, self.cp, self.transformer._cp_plan)
+            compat.apply_context_parallel(self.transformer, self.cp)
         return False

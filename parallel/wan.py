@@ -9,11 +9,12 @@ needs no communication (each rank's query shard attends to all text tokens).
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
+from compat import diffusers as compat
 from parallel.attention import USPAttention
 from parallel.config import ParallelConfig
-from parallel.flux import _BACKEND_TO_KERNEL
+from parallel.kernels import kernel_for_backend
 from parallel.sharding import apply_sequence_split
 
 
@@ -44,15 +45,14 @@ class USPWanAttnProcessor(WanAttnProcessor):
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if attention_mask is not None:
             raise ValueError("sequence-parallel Wan self-attention takes no attention mask")
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key, value = compat.wan_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query = _apply_rotary_emb(query, *rotary_emb)
             key = _apply_rotary_emb(key, *rotary_emb)
-        backend = getattr(self._attention_backend, "value", self._attention_backend)
-        hidden_states = self.usp(query, key, value, kernel=_BACKEND_TO_KERNEL.get(backend))
+        hidden_states = self.usp(query, key, value, kernel=kernel_for_backend(compat.get_processor_backend(self)))
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](hidden_states))
 

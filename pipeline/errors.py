@@ -67,10 +67,12 @@ class OverloadedError(DitServeError):
 
 
 class ServiceUnavailableError(DitServeError):
-    """503: no healthy replica, or the server is shutting down."""
+    """503: no healthy replica, the router is restarting, or the server is shutting down; retry
+    after ``retry_after_s`` seconds."""
 
     status_code = 503
     error_type = "server_error"
+    retry_after_s = 1
 
 
 class RequestTimeoutError(DitServeError, TimeoutError):

@@ -15,7 +15,10 @@ Which transformer runs at a step is the model's execution mode (:func:`step_plan
   the guiding one from the same prompt at every step, as autoguidance (Karras et al. 2024,
   "Guiding a Diffusion Model with a Bad Version of Itself", arXiv:2406.02507).
 
-CFG gating (``cfg_gate_step`` g < 1): after ``max(1, floor(g · steps))`` steps the guiding
+The schedule (scheduler, timesteps, per-step plan, gate) is decided once per batch by
+:func:`plan_batch`; the runner sizes Cache-DiT from it and hands it to :func:`denoise_batch`.
+
+CFG gating (``cfg_gate_step``, a fraction g < 1): after ``max(1, floor(g · steps))`` steps the guiding
 forward is skipped and the last computed delta (cond − guide) is reused:
 ``cond + (scale − 1) · delta``. The idea follows CFG truncation / "CFG-Cache" step skipping
 used by xDiT and vLLM-Omni; g = 1 runs every step exactly as without gating.
@@ -26,20 +29,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.modes import DualMode
 from pipeline.sampling import SamplingParams
 
 PRIMARY, SECONDARY = "transformer", "transformer_2"
-SINGLE, BOUNDARY, PAIRED = None, "boundary", "paired"
 
 
 @dataclass
 class LoopOutput:
     """images: one float32 array in [0, 1] per request, in batch order: (n, H, W, 3) for
-    images, (n, F, H, W, 3) for videos. ``calls``: transformer name -> forwards run."""
+    images, (n, F, H, W, 3) for videos (empty on sequence-parallel ranks other than 0).
+    ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``: transformer name -> forwards run."""
 
     images: list[np.ndarray]
     denoise_ms: float
@@ -64,35 +69,37 @@ class StepPlan:
     scale: float
 
 
-def step_plan(timesteps, head: SamplingParams, dual_mode: str | None, boundary_ratio: float | None = None,
+def step_plan(timesteps, head: SamplingParams, dual_mode: DualMode, boundary_ratio: float | None = None,
               num_train_timesteps: int = 1000) -> list[StepPlan]:
     """The per-step plan of a batch (see the module docstring).
 
     ``boundary_ratio``: the model's default, replaced by ``head.boundary_ratio`` when the
     request gives one. Raises ``ValueError`` for an unknown ``dual_mode``.
     """
-    if dual_mode == PAIRED:
-        return [StepPlan(PRIMARY, SECONDARY, "prompt", head.true_cfg_scale) for _ in timesteps]
-    if dual_mode not in (SINGLE, BOUNDARY):
+    if dual_mode == DualMode.PAIRED:
+        return [StepPlan(PRIMARY, SECONDARY, "prompt", head.cfg_scale) for _ in timesteps]
+    if dual_mode not in (DualMode.SINGLE, DualMode.BOUNDARY):
         raise ValueError(f"unknown dual-transformer mode {dual_mode!r}")
     boundary_t = None
-    if dual_mode == BOUNDARY:
+    if dual_mode == DualMode.BOUNDARY:
         ratio = head.boundary_ratio if head.boundary_ratio is not None else boundary_ratio
         boundary_t = ratio * num_train_timesteps
     plans = []
     for t in timesteps:
         low_noise = boundary_t is not None and float(t) < boundary_t
         model = SECONDARY if low_noise else PRIMARY
-        scale = head.true_cfg_scale
-        if low_noise and head.guidance_scale_2 is not None:
-            scale = head.guidance_scale_2
-        plans.append(StepPlan(model, model if head.do_true_cfg else None, "negative", scale))
+        scale = head.cfg_scale
+        if low_noise and head.cfg_scale_2 is not None:
+            scale = head.cfg_scale_2
+        plans.append(StepPlan(model, model if head.guided else None, "negative", scale))
     return plans
 
 
 def gate_step(head: SamplingParams, num_steps: int) -> int:
     """Index of the first step whose guiding forward CFG gating skips (``num_steps``: none)."""
-    return num_steps if head.cfg_gate_step >= 1.0 else max(1, math.floor(head.cfg_gate_step * num_steps))
+    if head.cfg_gate_fraction >= 1.0:
+        return num_steps
+    return max(1, math.floor(head.cfg_gate_fraction * num_steps))
 
 
 def steps_per_transformer(plan: list[StepPlan], gate_at: int) -> dict[str, list[int]]:
@@ -117,7 +124,35 @@ def separate_cfg_of(plan: list[StepPlan]) -> dict[str, bool]:
     return out
 
 
-def _check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
+@dataclass
+class BatchSchedule:
+    """A batch's schedule, decided once: a fresh ``scheduler`` (stateful: one batch only), its
+    ``timesteps``, the per-step ``plan`` and ``gate_at`` (first step whose guiding forward is
+    skipped). ``run_steps`` / ``separate_cfg``: what Cache-DiT is sized for, per transformer."""
+
+    scheduler: Any
+    timesteps: torch.Tensor
+    plan: list[StepPlan]
+    gate_at: int
+
+    @property
+    def run_steps(self) -> dict[str, list[int]]:
+        return steps_per_transformer(self.plan, self.gate_at)
+
+    @property
+    def separate_cfg(self) -> dict[str, bool]:
+        return separate_cfg_of(self.plan)
+
+
+def plan_batch(family, head: SamplingParams) -> BatchSchedule:
+    """The schedule of a batch whose requests share ``head``'s signature."""
+    scheduler, timesteps = family.scheduler_and_timesteps(head.num_inference_steps, head)
+    plan = step_plan(timesteps, head, family.dual_mode, family.boundary_ratio, scheduler.config.num_train_timesteps)
+    return BatchSchedule(scheduler, timesteps, plan, gate_step(head, len(plan)))
+
+
+def check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
+    """The batch's first request; raises ``ValueError`` if the batch is empty or mixes signatures."""
     from pipeline.signature import BatchSignature
 
     if not batch:
@@ -130,35 +165,34 @@ def _check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
 
 
 @torch.no_grad()
-def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_skipped=None,
-                  decode: bool = True) -> LoopOutput:
-    """Run a signature-homogeneous batch through ``family`` and decode it.
+def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
+                  on_guide_skipped=None, decode: bool = True) -> LoopOutput:
+    """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
-    ``on_step(i, num_steps)`` is called after each denoising step, ``on_uncond_skipped(name)``
-    each time CFG gating skips a guiding forward of transformer ``name``. ``decode=False``
-    (sequence-parallel ranks other than 0) stops after denoising and returns no images.
-    Raises ``ValueError`` if the batch is empty or mixes signatures.
+    ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
+    called after each denoising step, ``on_guide_skipped(name)`` each time CFG gating skips a
+    guiding forward of transformer ``name``. ``decode=False`` (sequence-parallel ranks other
+    than 0) stops after denoising and returns no images. Raises ``ValueError`` if the batch is
+    empty or mixes signatures.
     """
-    head = _check_homogeneous(batch)
+    head = check_homogeneous(batch)
     t0 = time.perf_counter()
+    schedule = schedule or plan_batch(family, head)
     counts = [p.n for p in batch]
     index = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
 
     generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in batch]
     latents, positions = family.prepare_latents(generators, counts, head)
-    scheduler, timesteps = family.scheduler_and_timesteps(head.num_inference_steps, latents)
-    plan = step_plan(timesteps, head, family.dual_mode, family.boundary_ratio,
-                     scheduler.config.num_train_timesteps)
-    cond = family.encode([p.prompt for p in batch]).select(index)
+    plan, scheduler, gate_at = schedule.plan, schedule.scheduler, schedule.gate_at
+    cond = family.encode_prompts([p.prompt for p in batch]).select(index)
     uncond = None
     if any(s.guide is not None and s.guide_prompt == "negative" for s in plan):
-        uncond = family.encode([p.negative_prompt or "" for p in batch]).select(index)
-    guidance = family.guidance(head.guidance_scale, latents.shape[0])
+        uncond = family.encode_prompts([p.negative_prompt or "" for p in batch]).select(index)
+    guidance = family.guidance(head.embedded_guidance_scale, latents.shape[0])
 
-    num_steps = len(timesteps)
-    gate_at = gate_step(head, num_steps)
+    num_steps = len(schedule.timesteps)
     delta, reused, calls = None, 0, {}
-    for i, t in enumerate(timesteps):
+    for i, t in enumerate(schedule.timesteps):
         step = plan[i]
         noise_pred = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
         calls[step.model] = calls.get(step.model, 0) + 1
@@ -171,8 +205,8 @@ def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_s
         elif step.guide is not None:
             noise_pred = noise_pred + (step.scale - 1.0) * delta
             reused += 1
-            if on_uncond_skipped is not None:
-                on_uncond_skipped(step.guide)
+            if on_guide_skipped is not None:
+                on_guide_skipped(step.guide)
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if on_step is not None:
             on_step(i + 1, num_steps)
@@ -183,6 +217,6 @@ def denoise_batch(family, batch: list[SamplingParams], on_step=None, on_uncond_s
     t2 = time.perf_counter()
     splits = np.cumsum([0, *counts])
     return LoopOutput(
-        images=[images[a:b] for a, b in zip(splits[:-1], splits[1:])],
+        images=[images[a:b] for a, b in zip(splits[:-1], splits[1:], strict=True)],
         denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps, cfg_reused_steps=reused,
         calls=calls)

@@ -1,4 +1,4 @@
-"""SamplingParams: the validated, fully resolved settings of one request."""
+"""SamplingParams: the validated, fully resolved settings of one request (torch-free)."""
 
 from __future__ import annotations
 
@@ -6,30 +6,50 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from pipeline.accel import freeze_cache_dit_params
-from pipeline.contract import ImageGenerationRequest, ServingLimits, VideoGenerationRequest, parse_size
+from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.images import ImageGenerationRequest
+from pipeline.contract.limits import ServingLimits, parse_size
+from pipeline.contract.videos import VideoGenerationRequest
+from pipeline.modes import GuidanceMode
 
 
 @dataclass(frozen=True)
 class AccelerationDefaults:
-    """Server defaults of the per-request acceleration fields (a request's ``None``)."""
+    """Server defaults of the per-request acceleration fields (what a request's ``None`` means).
+
+    ``cfg_gate_fraction``: the default of the request field ``cfg_gate_step``, a fraction of
+    the steps in (0, 1].
+    """
 
     enable_cache_dit: bool = False
-    cache_dit_params: tuple | None = None  # frozen key, see pipeline.accel.freeze_cache_dit_params
-    cfg_gate_step: float = 1.0
+    cache_dit_params: CacheDiTParams | None = None
+    cfg_gate_fraction: float = 1.0
     attention_backend: str | None = None  # None: the model's own attention processor
+
+    @classmethod
+    def from_config(cls, acceleration: dict) -> "AccelerationDefaults":
+        """From the ``acceleration`` config section (``deployments.config.AccelerationConfig`` as a dict)."""
+        params = acceleration.get("cache_dit_params")
+        return cls(enable_cache_dit=bool(acceleration.get("enable_cache_dit", False)),
+                   cache_dit_params=None if params is None else CacheDiTParams.model_validate(params),
+                   cfg_gate_fraction=float(acceleration.get("cfg_gate_step", 1.0)),
+                   attention_backend=acceleration.get("attention_backend"))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request, resolved: server defaults applied, seed drawn, CFG mode decided.
+    """One request, resolved: server defaults applied, seed drawn, guidance decided.
 
-    ``width``/``height`` in pixels; ``num_frames`` is 1 for images. ``do_true_cfg``: a
-    guiding forward runs, with scale ``true_cfg_scale`` — diffusers' rules per model style:
-    FLUX ``true_cfg_scale > 1`` and a negative prompt given; Wan ``guidance_scale > 1``
-    (negative prompt default ""); paired-transformer models always. ``guidance_scale`` is
-    FLUX's embedded guidance (0.0 for models without it). ``cache_dit_params`` is the
-    frozen override key (hashable). ``fps`` only matters to the MP4 container.
+    ``width``/``height`` in pixels; ``num_frames`` is 1 for images. Guidance, as the loop
+    runs it: ``guidance_mode`` (:class:`GuidanceMode`; ``NONE``: no guiding forward) and
+    ``cfg_scale``, the scale of ``guide + cfg_scale · (cond − guide)`` (1.0 when unguided) —
+    FLUX's ``true_cfg_scale``, Wan's ``guidance_scale`` or the paired guide's scale;
+    ``cfg_scale_2``: the request's ``guidance_scale_2`` (the low-noise expert's scale of
+    boundary models). ``embedded_guidance_scale``: FLUX.1-dev's distilled guidance input (the
+    request's ``guidance_scale``; None for models without a guidance embedding).
+    ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
+    defaults), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
+    ``fps`` only matters to the MP4 container.
     """
 
     request_id: str
@@ -41,19 +61,24 @@ class SamplingParams:
     height: int
     num_frames: int
     num_inference_steps: int
-    guidance_scale: float
-    true_cfg_scale: float
-    do_true_cfg: bool
+    guidance_mode: GuidanceMode
+    cfg_scale: float
+    embedded_guidance_scale: float | None
     seed: int
     enable_cache_dit: bool
-    cache_dit_params: tuple | None
-    cfg_gate_step: float
+    cache_dit_params: CacheDiTParams | None
+    cfg_gate_fraction: float
     attention_backend: str | None
     response_format: str
     timeout_s: float | None = None  # deadline in seconds from submission; None: none
-    guidance_scale_2: float | None = None  # low-noise expert's guidance (boundary models)
+    cfg_scale_2: float | None = None
     boundary_ratio: float | None = None  # None: the model's own
-    fps: int = 0  # videos: frames per second of the MP4; 0 for images
+    fps: int = 0
+
+    @property
+    def guided(self) -> bool:
+        """Whether a guiding forward runs (before any CFG gate)."""
+        return self.guidance_mode != GuidanceMode.NONE
 
 
 def _size(request, limits: ServingLimits) -> tuple[int, int]:
@@ -70,38 +95,44 @@ def _acceleration(request, defaults: AccelerationDefaults) -> dict:
         enable_cache_dit = defaults.enable_cache_dit
     else:
         enable_cache_dit = True
-    cache_key = None
+    params = None
     if enable_cache_dit:
-        cache_key = (freeze_cache_dit_params(request.cache_dit_params)
-                     if request.cache_dit_params is not None else defaults.cache_dit_params) or ()
-    return {"enable_cache_dit": enable_cache_dit, "cache_dit_params": cache_key,
-            "cfg_gate_step": request.cfg_gate_step if request.cfg_gate_step is not None else defaults.cfg_gate_step,
+        params = request.cache_dit_params or defaults.cache_dit_params or CacheDiTParams()
+    return {"enable_cache_dit": enable_cache_dit, "cache_dit_params": params,
+            "cfg_gate_fraction": (request.cfg_gate_step if request.cfg_gate_step is not None
+                                  else defaults.cfg_gate_fraction),
             "attention_backend": request.attention_backend_override or defaults.attention_backend}
 
 
 def _guidance(request, limits: ServingLimits) -> dict:
-    """The CFG fields under the model's style (see ``SamplingParams``)."""
+    """The guidance fields under the model's guidance style (diffusers' rules, see ``SamplingParams``)."""
     guidance_scale = limits.default_guidance_scale if request.guidance_scale is None else request.guidance_scale
-    if limits.cfg_style == "true_cfg":
+    style = limits.guidance_style
+    if style == GuidanceMode.TRUE_CFG:
         true_cfg_scale = getattr(request, "true_cfg_scale", None)
         true_cfg_scale = 1.0 if true_cfg_scale is None else true_cfg_scale
-        do_true_cfg = true_cfg_scale > 1.0 and request.negative_prompt is not None
-        return {"guidance_scale": guidance_scale if limits.guidance_embeds else 0.0,
-                "true_cfg_scale": true_cfg_scale if do_true_cfg else 1.0, "do_true_cfg": do_true_cfg,
-                "negative_prompt": request.negative_prompt if do_true_cfg else None}
-    if limits.cfg_style == "paired":
-        return {"guidance_scale": 0.0, "true_cfg_scale": guidance_scale, "do_true_cfg": True,
+        guided = true_cfg_scale > 1.0 and request.negative_prompt is not None
+        return {"guidance_mode": style if guided else GuidanceMode.NONE,
+                "cfg_scale": true_cfg_scale if guided else 1.0,
+                "embedded_guidance_scale": guidance_scale if limits.guidance_embeds else None,
+                "negative_prompt": request.negative_prompt if guided else None}
+    if style == GuidanceMode.AUTOGUIDANCE:
+        return {"guidance_mode": style, "cfg_scale": guidance_scale, "embedded_guidance_scale": None,
                 "negative_prompt": None}
-    do_cfg = guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
-    return {"guidance_scale": 0.0, "true_cfg_scale": guidance_scale if do_cfg else 1.0, "do_true_cfg": do_cfg,
-            "negative_prompt": (request.negative_prompt or "") if do_cfg else None}
+    guided = guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
+    return {"guidance_mode": style if guided else GuidanceMode.NONE, "cfg_scale": guidance_scale if guided else 1.0,
+            "embedded_guidance_scale": None, "negative_prompt": (request.negative_prompt or "") if guided else None}
+
+
+def _seed(request) -> int:
+    """The request's seed, or one drawn here so the answer can report it and be replayed."""
+    return request.seed if request.seed is not None else secrets.randbelow(2**31)
 
 
 def resolve(request: ImageGenerationRequest, limits: ServingLimits,
             defaults: AccelerationDefaults = AccelerationDefaults(),
             request_id: str | None = None) -> SamplingParams:
-    """Apply server defaults to a validated image request. A missing ``seed`` is drawn here
-    so the answer can report it and the request can be replayed exactly."""
+    """Apply server defaults to a validated image request."""
     width, height = _size(request, limits)
     return SamplingParams(
         request_id=request_id or f"img-{uuid.uuid4().hex[:16]}",
@@ -112,7 +143,7 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         height=height,
         num_frames=1,
         num_inference_steps=request.num_inference_steps or limits.default_steps,
-        seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
+        seed=_seed(request),
         response_format=request.response_format,
         timeout_s=request.timeout_s,
         **_guidance(request, limits),
@@ -134,10 +165,10 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
         height=height,
         num_frames=request.frames(limits),
         num_inference_steps=request.num_inference_steps or limits.default_steps,
-        seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
+        seed=_seed(request),
         response_format="mp4",
         timeout_s=request.timeout_s,
-        guidance_scale_2=request.guidance_scale_2,
+        cfg_scale_2=request.guidance_scale_2,
         boundary_ratio=request.boundary_ratio,
         fps=request.fps or limits.default_fps,
         **_guidance(request, limits),

@@ -1,4 +1,4 @@
-"""BatchSignature: the key under which requests may share one batch.
+"""BatchSignature: the key under which requests may share one batch (torch-free).
 
 Two requests share a batch only if every resolved setting that changes how the batch
 executes is equal. The table below decides, field by field, what is in the key; a test
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 
+from pipeline.modes import GuidanceMode
 from pipeline.sampling import SamplingParams
 
 # SamplingParams field -> is it part of the signature?
@@ -17,23 +18,23 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "request_id": False,
     "model": True,
     "prompt": False,            # per-request conditioning inside one batched forward
-    "negative_prompt": False,   # likewise (do_true_cfg below carries the CFG mode)
+    "negative_prompt": False,   # likewise (guidance_mode below carries whether it is used)
     "n": False,                 # counts toward the batch size instead
     "width": True,
     "height": True,
     "num_frames": True,
     "num_inference_steps": True,
-    "guidance_scale": True,
-    "true_cfg_scale": True,
-    "do_true_cfg": True,
+    "guidance_mode": True,
+    "cfg_scale": True,
+    "embedded_guidance_scale": True,
     "seed": False,              # one generator per request
     "enable_cache_dit": True,
     "cache_dit_params": True,
-    "cfg_gate_step": True,
+    "cfg_gate_fraction": True,
     "attention_backend": True,
     "response_format": False,
     "timeout_s": False,         # a deadline, not an execution setting
-    "guidance_scale_2": True,
+    "cfg_scale_2": True,
     "boundary_ratio": True,     # which expert runs which step
     "fps": False,               # only the MP4 container's frame rate
 }
@@ -51,7 +52,7 @@ class BatchSignature:
         return cls(tuple(getattr(params, name) for name in SIGNATURE_FIELDS))
 
     def as_dict(self) -> dict:
-        return dict(zip(SIGNATURE_FIELDS, self.values))
+        return dict(zip(SIGNATURE_FIELDS, self.values, strict=True))
 
     @property
     def digest(self) -> str:
@@ -59,15 +60,28 @@ class BatchSignature:
         return hashlib.sha1(repr(self.values).encode()).hexdigest()[:12]
 
     def __str__(self) -> str:
+        """The signature in the request fields' own names, e.g. ``tiny-flux 64x64 steps=16
+        guidance_scale=3.5 true_cfg_scale=4.0 cache_dit=off cfg_gate_step=1.0 attn=default [digest]``."""
         d = self.as_dict()
-        cache = "off" if not d["enable_cache_dit"] else f"on{dict(d['cache_dit_params'] or ())}"
         frames = f"x{d['num_frames']}f" if d["num_frames"] > 1 else ""
-        experts = "" if d["boundary_ratio"] is None else f" boundary={d['boundary_ratio']}"
-        experts += "" if d["guidance_scale_2"] is None else f" g2={d['guidance_scale_2']}"
+        guidance = [] if d["embedded_guidance_scale"] is None else [f"guidance_scale={d['embedded_guidance_scale']}"]
+        mode = d["guidance_mode"]
+        if mode == GuidanceMode.TRUE_CFG:
+            guidance.append(f"true_cfg_scale={d['cfg_scale']}")
+        elif mode == GuidanceMode.CFG:
+            guidance.append(f"guidance_scale={d['cfg_scale']}")
+        elif mode == GuidanceMode.AUTOGUIDANCE:
+            guidance.append(f"guidance_scale={d['cfg_scale']} (autoguidance)")
+        elif not guidance:
+            guidance.append("cfg=off")
+        if d["cfg_scale_2"] is not None:
+            guidance.append(f"guidance_scale_2={d['cfg_scale_2']}")
+        if d["boundary_ratio"] is not None:
+            guidance.append(f"boundary_ratio={d['boundary_ratio']}")
+        cache = "off" if not d["enable_cache_dit"] else f"on{d['cache_dit_params'].describe()}"
         return (f"{d['model']} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
-                f"g={d['guidance_scale']} cfg={d['true_cfg_scale'] if d['do_true_cfg'] else 'off'} "
-                f"cache_dit={cache} gate={d['cfg_gate_step']} attn={d['attention_backend'] or 'default'}"
-                f"{experts} [{self.digest}]")
+                f"{' '.join(guidance)} cache_dit={cache} cfg_gate_step={d['cfg_gate_fraction']} "
+                f"attn={d['attention_backend'] or 'default'} [{self.digest}]")
 
 
 def _check_table() -> None:

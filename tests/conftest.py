@@ -47,7 +47,3 @@ def deploy(ray_cluster):
         return ray_cluster["url"]
 
     return _deploy
-
-
-# The app most HTTP tests share: tiny-flux, one replica with 2 torch threads.
-TINY_ARGS = {"replica": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 2}, "torch_threads": 2}}

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
-from deployments.app import build_app
+from deployments.app import build_app, deployment_options
 from deployments.autoscaling import QUEUED_IMAGES, RouterQueuePolicy
 from deployments.config import AppConfig
 
@@ -46,31 +46,34 @@ def test_policy_table(queued, busy, current, desired):
 
 
 def test_config_becomes_serve_autoscaling_config_of_ditreplica():
-    app = build_app(AUTOSCALE_ARGS)
-    router = app._bound_deployment.init_args[0]._bound_deployment
-    replica = router.init_args[0]._bound_deployment
-    config = replica._deployment_config.autoscaling_config
-    assert replica.name == "DiTReplica"
-    assert (config.min_replicas, config.max_replicas, config.upscale_delay_s, config.downscale_delay_s,
-            config.look_back_period_s) == (1, 2, 0, 600, 2)
-    assert config.policy.policy_function == "deployments.autoscaling.RouterQueuePolicy"
-    assert config.policy.policy_kwargs == {"target_queued_per_replica": 2.0}
-    assert router.init_args[1] == 1  # the Router's capacity before it sees the replica set
+    config = AppConfig.model_validate(AUTOSCALE_ARGS)
+    options = deployment_options(config)["DiTReplica"]
+    autoscaling = options["autoscaling_config"]
+    assert "num_replicas" not in options
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.upscale_delay_s,
+            autoscaling.downscale_delay_s, autoscaling.look_back_period_s) == (1, 2, 0, 600, 2)
+    assert autoscaling.policy.policy_function == "deployments.autoscaling.RouterQueuePolicy"
+    assert autoscaling.policy.policy_kwargs == {"target_queued_per_replica": 2.0}
+    assert config.replica.initial_replicas == 1  # the Router's capacity before it sees the replica set
+    build_app(AUTOSCALE_ARGS)  # Serve accepts these options
     # target_queued_per_replica defaults to the batching max_batch_size
-    default = build_app({"batching": {"max_batch_size": 4}, "replica": {"autoscaling": {"max_replicas": 3}}})
-    replica = default._bound_deployment.init_args[0]._bound_deployment.init_args[0]._bound_deployment
-    assert replica._deployment_config.autoscaling_config.policy.policy_kwargs == {"target_queued_per_replica": 4}
+    default = AppConfig.model_validate({"batching": {"max_batch_size": 4},
+                                        "replica": {"autoscaling": {"max_replicas": 3}}})
+    policy = deployment_options(default)["DiTReplica"]["autoscaling_config"].policy
+    assert policy.policy_kwargs == {"target_queued_per_replica": 4}
 
 
 def test_flux_4gpu_config_autoscales_whole_placement_groups():
     from deployments.cli import load_serve_config
 
-    app = build_app(load_serve_config(ROOT / "configs" / "flux-dev-4gpu.yaml")["args"])
-    replica = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]._bound_deployment
-    config = replica._deployment_config.autoscaling_config
-    assert (config.min_replicas, config.max_replicas) == (1, 4)
-    assert config.policy.policy_kwargs == {"target_queued_per_replica": 4}
-    assert replica._replica_config.placement_group_bundles == [{"GPU": 1, "CPU": 8}] * 4
+    args = load_serve_config(ROOT / "configs" / "flux-dev-4gpu.yaml")["args"]
+    options = deployment_options(AppConfig.model_validate(args))["DiTReplica"]
+    autoscaling = options["autoscaling_config"]
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+    assert autoscaling.policy.policy_kwargs == {"target_queued_per_replica": 4}
+    assert options["placement_group_bundles"] == [{"GPU": 1, "CPU": 8}] * 4
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    build_app(args)
 
 
 @pytest.mark.parametrize("replica, message", [

@@ -8,8 +8,8 @@ import torch
 
 from pipeline.families import load_family
 from pipeline.loop import denoise_batch
-from pipeline.tiny.build import ensure_tiny_flux
-from tests.test_loop_equals_diffusers import params
+from pipeline.tiny.flux import ensure_tiny_flux
+from tests.helpers import flux_params as params
 
 TOL = 1e-5
 

@@ -6,8 +6,11 @@ import dataclasses
 
 import pytest
 
-from pipeline.contract import ServingLimits, validate_image_request, validate_video_request
+from pipeline.contract.images import validate_image_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.videos import validate_video_request
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
+from pipeline.modes import DualMode, GuidanceMode
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import SIGNATURE_TABLE, BatchSignature
 
@@ -80,10 +83,10 @@ def test_nested_extra_body_is_merged_and_clashes_rejected():
 
 def test_resolve_applies_defaults_and_diffusers_cfg_rule():
     p = resolve(validate_image_request({"prompt": "a", "true_cfg_scale": 4.0}, LIMITS), LIMITS)
-    assert (p.width, p.height, p.num_inference_steps, p.guidance_scale) == (64, 64, 16, 3.5)
-    assert not p.do_true_cfg and p.true_cfg_scale == 1.0  # no negative prompt: no true CFG
+    assert (p.width, p.height, p.num_inference_steps, p.embedded_guidance_scale) == (64, 64, 16, 3.5)
+    assert not p.guided and p.cfg_scale == 1.0  # no negative prompt: no true CFG
     q = resolve(validate_image_request({"prompt": "a", "true_cfg_scale": 4.0, "negative_prompt": ""}, LIMITS), LIMITS)
-    assert q.do_true_cfg and q.true_cfg_scale == 4.0
+    assert q.guided and q.guidance_mode == GuidanceMode.TRUE_CFG and q.cfg_scale == 4.0
     assert 0 <= p.seed < 2**31
 
 
@@ -94,7 +97,7 @@ def test_cache_dit_resolution():
     assert not off.enable_cache_dit and off.cache_dit_params is None  # False always wins
     follow = resolve(validate_image_request(base, LIMITS), LIMITS, defaults_on)
     assert follow.enable_cache_dit
-    dual = dataclasses.replace(LIMITS, dual_mode="paired")
+    dual = dataclasses.replace(LIMITS, dual_mode=DualMode.PAIRED)
     a = resolve(validate_image_request({**base, "enable_cache_dit": True, "cache_dit_params": {
         "Fn_compute_blocks": 2, "secondary": {"max_warmup_steps": 1, "Bn_compute_blocks": 0}}}, dual), dual)
     b = resolve(validate_image_request({**base, "enable_cache_dit": True, "cache_dit_params": {
@@ -108,9 +111,9 @@ def test_cache_dit_resolution():
 def test_signature_table_covers_every_field():
     """Adding a SamplingParams field without deciding its signature membership fails here."""
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(SIGNATURE_TABLE)
-    expected_in = {"model", "width", "height", "num_frames", "num_inference_steps", "guidance_scale",
-                   "true_cfg_scale", "do_true_cfg", "enable_cache_dit", "cache_dit_params", "cfg_gate_step",
-                   "attention_backend", "guidance_scale_2", "boundary_ratio"}
+    expected_in = {"model", "width", "height", "num_frames", "num_inference_steps", "guidance_mode", "cfg_scale",
+                   "embedded_guidance_scale", "enable_cache_dit", "cache_dit_params", "cfg_gate_fraction",
+                   "attention_backend", "cfg_scale_2", "boundary_ratio"}
     assert {k for k, v in SIGNATURE_TABLE.items() if v} == expected_in
 
 
@@ -123,8 +126,8 @@ def test_signature_ignores_per_request_fields():
 
 
 VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan-moe", spatial_factor=16, default_steps=8,
-                            default_guidance_scale=5.0, guidance_embeds=False, cfg_style="cfg",
-                            dual_mode="boundary", temporal_factor=4, default_num_frames=9, default_fps=8,
+                            default_guidance_scale=5.0, guidance_embeds=False, guidance_style=GuidanceMode.CFG,
+                            dual_mode=DualMode.BOUNDARY, temporal_factor=4, default_num_frames=9, default_fps=8,
                             max_frames=33, default_boundary_ratio=0.875)
 
 
@@ -148,7 +151,7 @@ def test_video_bad_input_names_the_field(body, field, words):
 
 
 def test_video_fields_of_the_model_kind():
-    single = dataclasses.replace(VIDEO, model_name="tiny-wan", dual_mode=None, default_boundary_ratio=None)
+    single = dataclasses.replace(VIDEO, model_name="tiny-wan", dual_mode=DualMode.SINGLE, default_boundary_ratio=None)
     for body, field in (({"prompt": "a", "boundary_ratio": 0.5}, "boundary_ratio"),
                         ({"prompt": "a", "guidance_scale_2": 2.0}, "guidance_scale_2"),
                         ({"prompt": "a", "cache_dit_params": {"secondary": {"Fn_compute_blocks": 1}}},
@@ -156,7 +159,7 @@ def test_video_fields_of_the_model_kind():
         with pytest.raises(InvalidRequestError) as info:
             validate_video_request(body, single)
         assert info.value.param == field
-    paired = dataclasses.replace(VIDEO, cfg_style="paired", dual_mode="paired")
+    paired = dataclasses.replace(VIDEO, guidance_style=GuidanceMode.AUTOGUIDANCE, dual_mode=DualMode.PAIRED)
     with pytest.raises(InvalidRequestError, match="negative_prompt"):
         validate_video_request({"prompt": "a", "negative_prompt": "b"}, paired)
     with pytest.raises(InvalidRequestError, match="POST /v1/videos"):
@@ -168,11 +171,11 @@ def test_video_fields_of_the_model_kind():
 def test_video_resolution_and_signature():
     p = resolve_video(validate_video_request({"prompt": "a", "seconds": "2", "seed": 3}, VIDEO), VIDEO)
     assert p.num_frames == 17 and p.fps == 8 and p.n == 1  # 4·round(2·8/4) + 1
-    assert p.do_true_cfg and p.true_cfg_scale == 5.0 and p.negative_prompt == ""  # Wan: CFG when g > 1
+    assert p.guidance_mode == GuidanceMode.CFG and p.cfg_scale == 5.0 and p.negative_prompt == ""  # Wan: g > 1
     q = resolve_video(validate_video_request({"prompt": "b", "num_frames": 17, "seed": 4, "fps": 24}, VIDEO), VIDEO)
     assert BatchSignature.of(p) == BatchSignature.of(q)  # fps is the container's, not the batch's
     r = resolve_video(validate_video_request({"prompt": "a", "num_frames": 17, "boundary_ratio": 0.5}, VIDEO),
                       VIDEO)
     assert BatchSignature.of(p) != BatchSignature.of(r)
     off = resolve_video(validate_video_request({"prompt": "a", "guidance_scale": 1.0}, VIDEO), VIDEO)
-    assert not off.do_true_cfg and off.negative_prompt is None
+    assert not off.guided and off.negative_prompt is None

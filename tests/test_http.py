@@ -17,7 +17,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from PIL import Image
 
-from tests.conftest import TINY_ARGS
+from tests.helpers import TINY_ARGS
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import torch
 from pipeline.families import load_family
 from pipeline.loop import denoise_batch
 from pipeline.sampling import SamplingParams
-from pipeline.tiny.build import ensure_tiny_flux
+from pipeline.tiny.flux import ensure_tiny_flux
+from tests.helpers import flux_params as params
 
 TOL = 1e-4  # max abs pixel difference, images in [0, 1]
 
@@ -19,20 +20,11 @@ def flux():
     return load_family("flux", ensure_tiny_flux(), torch_dtype=torch.float32, device="cpu")
 
 
-def params(prompt, seed, *, negative=None, true_cfg_scale=1.0, n=1, steps=6, size=(64, 48), guidance=3.5):
-    return SamplingParams(
-        request_id=f"r{seed}", model="tiny-flux", prompt=prompt, negative_prompt=negative, n=n,
-        width=size[0], height=size[1], num_frames=1, num_inference_steps=steps, guidance_scale=guidance,
-        true_cfg_scale=true_cfg_scale, do_true_cfg=true_cfg_scale > 1 and negative is not None, seed=seed,
-        enable_cache_dit=False, cache_dit_params=None, cfg_gate_step=1.0, attention_backend=None,
-        response_format="b64_json")
-
-
 def reference(flux, p: SamplingParams) -> np.ndarray:
     return flux.pipe(
-        prompt=p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale,
+        prompt=p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.cfg_scale,
         height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
-        guidance_scale=p.guidance_scale, num_images_per_prompt=p.n,
+        guidance_scale=p.embedded_guidance_scale, num_images_per_prompt=p.n,
         generator=torch.Generator().manual_seed(p.seed), max_sequence_length=flux.max_sequence_length,
         output_type="np").images
 
@@ -59,7 +51,7 @@ def test_batch_of_requests_equals_each_reference(flux):
         params("x", 3, negative="a very long negative prompt with many many words in it", true_cfg_scale=3.0),
     ]
     out = denoise_batch(flux, batch)
-    for p, ours in zip(batch, out.images):
+    for p, ours in zip(batch, out.images, strict=True):
         ref = reference(flux, p)
         assert ours.shape == ref.shape
         assert np.abs(ours - ref).max() <= TOL, p.prompt

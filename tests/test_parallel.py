@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import time
 
@@ -18,9 +19,11 @@ from deployments.rank_worker import RankWorker
 from parallel.attention import lse_math_attention
 from parallel.config import ParallelConfig
 from parallel.groups import free_port
-from pipeline.runner import Batch, BatchRunner
-from pipeline.signature import BatchSignature
-from tests.test_loop_equals_diffusers import params
+from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.runner import BatchRunner
+from tests.helpers import batch_of
+from tests.helpers import flux_params as params
+from tests.helpers import video_params
 
 
 def test_layout_checks():
@@ -52,7 +55,7 @@ def _ranks(ray_cluster, layout: dict, acceleration: dict | None = None, model: s
 
 def _denoise(workers, batch):
     outs = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)
-    return outs[0][0]  # rank 0's LoopOutput
+    return outs[0]  # rank 0's LoopOutput
 
 
 CFG = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=6)
@@ -63,12 +66,12 @@ CFG = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=6)
                          ids=["ulysses2", "ring2"])
 def test_two_ranks_equal_one_rank(ray_cluster, layout):
     batch_params = (params("a red circle", 3, **CFG), params("a green star at night", 4, **CFG))
-    batch = Batch("b", BatchSignature.of(batch_params[0]), batch_params)
-    single = BatchRunner("tiny-flux").denoise(batch)[0]
+    batch = batch_of(*batch_params)
+    single = BatchRunner("tiny-flux").denoise(batch)
     workers = _ranks(ray_cluster, layout)
     try:
         sharded = _denoise(workers, batch)
-        for a, b in zip(single.images, sharded.images):
+        for a, b in zip(single.images, sharded.images, strict=True):
             assert np.abs(a - b).max() <= 1e-4
     finally:
         for w in workers:
@@ -80,20 +83,18 @@ def test_two_ranks_equal_one_rank(ray_cluster, layout):
                          ids=["ulysses2", "ring2"])
 def test_two_rank_wan_with_boundary_experts_equals_one_rank(ray_cluster, layout):
     """Both experts of tiny Wan 2.2 run sharded (yunchang self-attention, local cross-attention)."""
-    from tests.test_wan import params as video_params
-
     runner = BatchRunner("tiny-wan-moe")
     fields = dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=6, size="64x64")
     batch_params = (video_params(runner.family, "a red circle", 3, **fields),
                     video_params(runner.family, "a green star at night", 4, **fields))
-    batch = Batch("b", BatchSignature.of(batch_params[0]), batch_params)
-    single = runner.denoise(batch)[0]
+    batch = batch_of(*batch_params)
+    single = runner.denoise(batch)
     assert set(single.calls) == {"transformer", "transformer_2"}
     workers = _ranks(ray_cluster, layout, model="tiny-wan-moe")
     try:
         sharded = _denoise(workers, batch)
         assert sharded.calls == single.calls
-        for a, b in zip(single.images, sharded.images):
+        for a, b in zip(single.images, sharded.images, strict=True):
             assert a.shape == (1, 9, 64, 64, 3) and np.abs(a - b).max() <= 1e-4
     finally:
         for w in workers:
@@ -108,19 +109,18 @@ def test_cache_dit_decides_the_same_steps_on_every_rank(ray_cluster):
     workers = _ranks(ray_cluster, {"ulysses_degree": 2, "ring_degree": 1})
     try:
         p = params("a red circle", 3, size=(64, 64), steps=12)
-        key = (("Fn_compute_blocks", 1), ("max_warmup_steps", 2), ("residual_diff_threshold", 0.99))  # < 1: measured
-        probe_p = p.__class__(**{**p.__dict__, "enable_cache_dit": True, "cache_dit_params": key})
-        ray.get([w.denoise.remote(Batch("p", BatchSignature.of(probe_p), (probe_p,))) for w in workers])
+        key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.99)  # < 1: measured
+        probe_p = dataclasses.replace(p, enable_cache_dit=True, cache_dit_params=key)
+        ray.get([w.denoise.remote(batch_of(probe_p)) for w in workers])
         diffs = ray.get([w.cache_stats.remote() for w in workers])
         assert diffs[0]["residual_diffs"] == diffs[1]["residual_diffs"]  # reduced statistic
         values = sorted(diffs[0]["residual_diffs"].values())
         partial = []
         for q in (0.5, 0.75, 0.9, 1.0):  # thresholds inside the statistics' range
             threshold = values[min(int(q * len(values)), len(values) - 1)] * (1.001 if q == 1.0 else 1.0)
-            key = (("Fn_compute_blocks", 1), ("max_warmup_steps", 2), ("residual_diff_threshold", threshold))
-            run_p = p.__class__(**{**p.__dict__, "enable_cache_dit": True, "cache_dit_params": key})
-            ray.get([w.denoise.remote(Batch("r", BatchSignature.of(run_p), (run_p,))) for w in workers],
-                    timeout=300)
+            key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=threshold)
+            run_p = dataclasses.replace(p, enable_cache_dit=True, cache_dit_params=key)
+            ray.get([w.denoise.remote(batch_of(run_p)) for w in workers], timeout=300)
             stats = ray.get([w.cache_stats.remote() for w in workers])
             assert stats[0]["cached_steps"] == stats[1]["cached_steps"]  # and no hang
             assert stats[0]["residual_diffs"] == stats[1]["residual_diffs"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import base64
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,8 +11,12 @@ import httpx
 import pytest
 from ray import serve
 
+from compat.ray_serve import deploy_config
 from deployments.replica import FAULT_ENV
-from pipeline.errors import InternalError, RequestTimeoutError, ServiceUnavailableError
+from pipeline.contract.images import ImageGenerationResponse
+from pipeline.errors import RequestTimeoutError, ServiceUnavailableError
+from tests.helpers import post, wait_until
+from tests.helpers import router_stats as stats
 
 pytestmark = pytest.mark.slow
 
@@ -23,23 +28,6 @@ TWO_REPLICAS = {
 }
 FAST = {"size": "64x64", "num_inference_steps": 2}
 SLOW = {"size": "256x256", "num_inference_steps": 60}  # about 3 s on one CPU thread
-
-
-def post(url, body, timeout=120):
-    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=timeout)
-
-
-def stats(url):
-    return httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]
-
-
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture()
@@ -60,7 +48,7 @@ def test_batches_are_signature_homogeneous_and_every_request_answered_once(url):
         by_batch[m["batch_id"]].add(m["signature"])
     assert all(len(sigs) == 1 for sigs in by_batch.values())
     assert len(by_batch) < 24  # requests were batched
-    for body, m in zip(bodies, metas):  # each answer is its own request's
+    for body, m in zip(bodies, metas, strict=True):  # each answer is its own request's
         assert m["seed"] == body["seed"]
     assert stats(url)["counters"]["requests"] >= 24
 
@@ -146,7 +134,7 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
     bodies = [{"prompt": f"p{i}", "seed": i, "num_inference_steps": 3 if i % 2 else 2} for i in range(12)]
     with ThreadPoolExecutor(12) as pool:
         responses = list(pool.map(lambda b: post(url, b), bodies))
-    for body, r in zip(bodies, responses):
+    for body, r in zip(bodies, responses, strict=True):
         if body["num_inference_steps"] == 3:
             assert r.status_code == 500
             error = r.json()["error"]
@@ -158,31 +146,44 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
 
 
 def test_shutdown_answers_every_queued_request(deploy):
-    deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}, fresh=True)
+    """Each request accepted before the app is deleted gets exactly one answer: the running
+    batch's image, and for the queued ones a 503 in OpenAI's envelope (the Ingress answers for
+    the stopped Router)."""
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
+                                              "graceful_shutdown_timeout_s": 10}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
+    busy = handle.generate.remote({"prompt": "busy", "seed": 0, **SLOW})
+    wait_until(lambda: stats(url)["inflight_batches"] == 1)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
-    time.sleep(0.2)
-    serve.delete("ditserve", _blocking=False)
-    answered = 0
-    for response in responses:
+    wait_until(lambda: stats(url)["queued"] == 6)
+    deleting = threading.Thread(target=serve.delete, args=("ditserve",))
+    deleting.start()
+    outcomes = []
+    for response in [busy, *responses]:
         try:
-            response.result(timeout_s=120)
-        except (ServiceUnavailableError, InternalError, Exception) as exc:  # noqa: B014
-            assert not isinstance(exc, TimeoutError), "a request got no answer"
-        answered += 1
-    assert answered == 6
+            result = response.result(timeout_s=120)
+        except ServiceUnavailableError as exc:
+            assert exc.status_code == 503 and exc.code == "unavailable", exc.to_envelope()
+            assert exc.to_envelope()["error"]["type"] == "server_error"
+            outcomes.append("503")
+        else:
+            assert isinstance(result, ImageGenerationResponse) and len(result.data) == 1
+            assert base64.b64decode(result.data[0].b64_json)[:8] == b"\x89PNG\r\n\x1a\n"
+            outcomes.append("image")
+    deleting.join(timeout=120)
+    assert len(outcomes) == 7 and outcomes[0] == "image"  # the running batch finishes
+    assert set(outcomes[1:]) == {"503"}, outcomes  # queued, never run: every one answered 503
 
 
 def _deploy_config(args: dict, router_user_config: dict) -> None:
     """Deploy as a Serve config file is deployed (serve deploy / serve run FILE / RayService),
     with the Router's batching knobs in the file's ``deployments`` section."""
-    from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema.model_validate({"applications": [
         {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
          "deployments": [{"name": "Router", "user_config": router_user_config}]}]})
-    _get_global_client().deploy_apps(config, _blocking=True)
+    deploy_config(config)
     wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
 
 

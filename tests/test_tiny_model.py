@@ -9,18 +9,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.contract import ServingLimits, validate_image_request
-from pipeline.runner import Batch, BatchRunner
+from pipeline.contract.images import validate_image_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.runner import BatchRunner
 from pipeline.sampling import resolve
-from pipeline.signature import BatchSignature
 from pipeline.tiny.data import all_scenes, make_dataset, split_scenes
 from pipeline.tiny.score import read_image
+from pipeline.wire import Batch
+from tests.helpers import batch_of
+
 
 def test_scorer_reads_the_generator():
     images, scenes = make_dataset(all_scenes(), 200, seed=7)
     readings = [read_image(im) for im in images]
-    assert all(r["color"] == s.color and r["background"] == s.background for r, s in zip(readings, scenes))
-    assert np.mean([r["shape"] == s.shape for r, s in zip(readings, scenes)]) >= 0.95
+    assert all(r["color"] == s.color and r["background"] == s.background for r, s in zip(readings, scenes, strict=True))
+    assert np.mean([r["shape"] == s.shape for r, s in zip(readings, scenes, strict=True)]) >= 0.95
 
 
 def test_training_script_is_deterministic_on_a_handful_of_samples(tmp_path):
@@ -32,15 +35,15 @@ def test_training_script_is_deterministic_on_a_handful_of_samples(tmp_path):
 
     ta = FluxTransformer2DModel.from_pretrained(a / "transformer")
     tb = FluxTransformer2DModel.from_pretrained(b / "transformer")
-    assert all(torch.equal(x, y) for x, y in zip(ta.state_dict().values(), tb.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(ta.state_dict().values(), tb.state_dict().values(), strict=True))
     out = BatchRunner("tiny-flux", path=str(a)).run(_batch())[0]
-    assert Image.open(io.BytesIO(out.pngs[0])).size == (64, 64)
+    assert Image.open(io.BytesIO(out.images[0])).size == (64, 64)
 
 
 def _batch() -> Batch:
     limits = ServingLimits("tiny-flux", 8, 64, 64, 2, 3.5)
     p = resolve(validate_image_request({"prompt": "a red circle", "seed": 1}, limits), limits)
-    return Batch("t", BatchSignature.of(p), (p,))
+    return batch_of(p, batch_id="t")
 
 
 def test_held_out_scenes_never_appear_in_training():
@@ -55,8 +58,8 @@ def _generate(prompt: str, seed: int, steps: int = 16) -> np.ndarray:
     runner = BatchRunner("tiny-flux")
     limits = ServingLimits("tiny-flux", runner.facts().spatial_factor, 64, 64, steps, 3.5)
     p = resolve(validate_image_request({"prompt": prompt, "seed": seed}, limits), limits)
-    out = runner.run(Batch("ref", BatchSignature.of(p), (p,)))[0]
-    return np.asarray(Image.open(io.BytesIO(out.pngs[0])).convert("RGB"))
+    out = runner.run(batch_of(p, batch_id="ref"))[0]
+    return np.asarray(Image.open(io.BytesIO(out.images[0])).convert("RGB"))
 
 
 def test_shipped_tiny_flux_matches_its_reference_image():

@@ -11,9 +11,11 @@ import time
 import httpx
 import pytest
 
+from deployments.jobs import JobStatus, JobStore
 from deployments.replica import FAULT_ENV
-from deployments.router import JobStore
 from pipeline.media import decode_mp4
+from pipeline.errors import NotFoundError
+from pipeline.modes import GuidanceMode
 from pipeline.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -134,21 +136,24 @@ def test_failed_job_shows_failed_with_the_error_while_others_complete(url):
 
 
 def _params(i: int) -> SamplingParams:
-    return SamplingParams(f"video_{i}", "m", "p", None, 1, 32, 32, 5, 4, 0.0, 1.0, False, i, False, None, 1.0,
-                          None, "mp4", fps=8)
+    return SamplingParams(f"video_{i}", "m", "p", None, 1, 32, 32, 5, 4, GuidanceMode.NONE, 1.0, None, i, False, None,
+                          1.0, None, "mp4", fps=8)
 
 
 def test_job_store_evicts_by_age_and_count():
-    store = JobStore(ttl_s=10, max_finished=2)
+    now = [100.0]
+    store = JobStore(ttl_s=10, max_finished=2, clock=lambda: now[0])
     jobs = [store.add(_params(i)) for i in range(4)]
     for i, job in enumerate(jobs[:3]):
-        job.finish("completed")
+        job.finish(JobStatus.COMPLETED)
         job.completed_at = 100.0 + i
-    store.evict(now=105.0)  # 3 finished, keep the newest 2; the running one stays
-    assert [j.params.request_id for j in store._jobs.values()] == ["video_1", "video_2", "video_3"]
-    store.evict(now=111.5)  # video_1 finished at 101: past its 10 s
-    assert "video_1" not in store._jobs and "video_2" in store._jobs and "video_3" in store._jobs
-    assert store._jobs["video_2"].view()["expires_at"] == 112
+    now[0] = 105.0  # 3 finished, keep the newest 2; the running one stays
+    assert sorted(j.params.request_id for j in store.all()) == ["video_1", "video_2", "video_3"]
+    now[0] = 111.5  # video_1 finished at 101: past its 10 s
+    assert sorted(j.params.request_id for j in store.all()) == ["video_2", "video_3"]
+    assert store.get("video_2").view().expires_at == 112
+    with pytest.raises(NotFoundError):
+        store.get("video_1")
 
 
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):

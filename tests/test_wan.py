@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.contract import ServingLimits, VideoGenerationRequest
+from compat import cache_dit as cache_dit_compat
+from compat import diffusers as diffusers_compat
 from pipeline.families import load_family
 from pipeline.loop import denoise_batch, gate_step, step_plan, steps_per_transformer
-from pipeline.runner import Batch
-from pipeline.signature import BatchSignature
-from pipeline.sampling import resolve_video
-from pipeline.tiny.build import TinyWanArch, ensure_tiny_wan
+from pipeline.modes import DualMode, GuidanceMode
+from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
+from tests.helpers import batch_of
+from tests.helpers import video_params as params
 
 TOL = 1e-4  # max abs pixel difference, frames in [0, 1]
 
@@ -40,33 +41,19 @@ def wan_paired():
     return load("paired")
 
 
-def limits_for(family, name="tiny-wan") -> ServingLimits:
-    return ServingLimits(name, family.spatial_factor, 64, 48, 6, 5.0, guidance_embeds=False,
-                         cfg_style=family.cfg_style, dual_mode=family.dual_mode,
-                         temporal_factor=family.temporal_factor, default_num_frames=9, max_frames=33,
-                         default_boundary_ratio=family.boundary_ratio)
-
-
-def params(family, prompt, seed, **fields):
-    limits = limits_for(family)
-    request = VideoGenerationRequest.model_validate({"prompt": prompt, "seed": seed, **fields},
-                                                    context={"limits": limits})
-    return resolve_video(request, limits, request_id=f"v{seed}")
-
-
 def reference(family, p, guidance_scale_2=None) -> np.ndarray:
     kwargs = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
     return family.pipe(
         prompt=p.prompt, negative_prompt=p.negative_prompt, height=p.height, width=p.width,
         num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
-        guidance_scale=p.true_cfg_scale if p.do_true_cfg else 1.0,
+        guidance_scale=p.cfg_scale if p.guided else 1.0,
         generator=[torch.Generator().manual_seed(p.seed)], max_sequence_length=family.max_sequence_length,
         output_type="np", **kwargs).frames
 
 
 def test_wan_loop_equals_wan_pipeline_with_cfg(wan):
     p = params(wan, "a red circle", 3, negative_prompt="blurry", guidance_scale=4.0)
-    assert p.do_true_cfg and p.num_frames == 9
+    assert p.guidance_mode == GuidanceMode.CFG and p.num_frames == 9
     ours = denoise_batch(wan, [p]).images[0]
     theirs = reference(wan, p)
     assert ours.shape == theirs.shape == (1, 9, 48, 64, 3)
@@ -77,13 +64,13 @@ def test_wan_batch_of_two_equals_each_alone(wan):
     a = params(wan, "a red circle", 1, guidance_scale=4.0)
     b = params(wan, "a blue square on a green background", 2, guidance_scale=4.0, negative_prompt="dark")
     out = denoise_batch(wan, [a, b]).images
-    for p, frames in zip((a, b), out):
+    for p, frames in zip((a, b), out, strict=True):
         assert np.abs(frames - reference(wan, p)).max() <= TOL
 
 
 def test_wan_without_guidance_runs_one_forward_per_step(wan):
     p = params(wan, "a red circle", 5, guidance_scale=1.0)
-    assert not p.do_true_cfg
+    assert not p.guided
     out = denoise_batch(wan, [p])
     assert out.calls == {"transformer": 6}
     assert np.abs(out.images[0] - reference(wan, p)).max() <= TOL
@@ -117,7 +104,7 @@ def test_boundary_experts_run_the_expected_steps(wan_moe, ratio):
         out = denoise_batch(wan_moe, [p])
     assert counts == {"transformer": 2 * high, "transformer_2": 2 * (8 - high)}  # cond + uncond per step
     assert out.calls == {k: v for k, v in counts.items() if v}
-    plan = step_plan(timesteps, p, "boundary", wan_moe.boundary_ratio)
+    plan = step_plan(timesteps, p, DualMode.BOUNDARY, wan_moe.boundary_ratio)
     steps = steps_per_transformer(plan, 8)
     assert {k: len(v) for k, v in steps.items()} == {k: v // 2 for k, v in counts.items() if v}
     assert sorted(sum(steps.values(), [])) == list(range(8))  # the experts split the schedule
@@ -129,7 +116,7 @@ def test_boundary_experts_run_the_expected_steps(wan_moe, ratio):
 
 def test_paired_per_step_calls_both_transformers_every_step(wan_paired):
     p = params(wan_paired, "a yellow ring", 11, guidance_scale=2.0, num_inference_steps=6)
-    assert p.do_true_cfg and p.negative_prompt is None
+    assert p.guidance_mode == GuidanceMode.AUTOGUIDANCE and p.negative_prompt is None
     with counting_forwards(wan_paired) as counts:
         out = denoise_batch(wan_paired, [p])
     assert counts == {"transformer": 6, "transformer_2": 6}
@@ -153,15 +140,15 @@ def test_paired_gating_skips_the_guide_after_the_gate(wan_paired):
 # -- Cache-DiT on both transformers ---------------------------------------------------------
 
 def _contexts(transformer):
-    manager = getattr(transformer, "_context_manager", None)
-    if manager is None:
+    contexts = cache_dit_compat.contexts(transformer)
+    if not contexts:
         return None
-    (context,) = manager._cached_context_manager.values()
+    (context,) = contexts
     return context.cache_config
 
 
 def _run(runner, p):
-    return runner.run(Batch("b", BatchSignature.of(p), (p,)))[0]
+    return runner.run(batch_of(p))[0]
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +176,8 @@ def test_dual_cache_dit_mount_refresh_unmount_with_secondary_inheritance(moe_run
     assert c1.steps_computation_mask == full[:high]
     assert c2.steps_computation_mask == [1, *full[high + 1:]]  # each expert's context starts computing
     assert c1.enable_separate_cfg and c2.enable_separate_cfg
-    meta = out.acceleration["cache_dit"]["transformers"]
-    assert {n: (m["transition"], m["steps"]) for n, m in meta.items()} == {
+    meta = out.acceleration.cache_dit.transformers
+    assert {n: (m.transition, m.steps) for n, m in meta.items()} == {
         "transformer": ("mount", high), "transformer_2": ("mount", 8 - high)}
 
     # Same knobs, another boundary: a refresh of both contexts, sized for the new split, bins kept.
@@ -198,15 +185,15 @@ def test_dual_cache_dit_mount_refresh_unmount_with_secondary_inheritance(moe_run
                cache_dit_params=knobs, boundary_ratio=0.5)
     _run(runner, q)
     high_q = len(runner.run_steps["transformer"])
-    assert high_q != high and runner.cache.last_transitions == {"transformer": "refresh", "transformer_2": "refresh"}
+    assert high_q != high and runner.last_transitions == {"transformer": "refresh", "transformer_2": "refresh"}
     assert (_contexts(t1).num_inference_steps, _contexts(t2).num_inference_steps) == (high_q, 8 - high_q)
     assert _contexts(t1).steps_computation_mask == full[:high_q]
 
     # Cache-DiT off: hooks leave both transformers, and the output is the exact one.
     exact = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=8)
     plain = _run(runner, exact)
-    assert not hasattr(t1, "_context_manager") and not hasattr(t2, "_context_manager")
-    assert runner.cache.last_transitions == {"transformer": "unmount", "transformer_2": "unmount"}
+    assert not cache_dit_compat.is_mounted(t1) and not cache_dit_compat.is_mounted(t2)
+    assert runner.last_transitions == {"transformer": "unmount", "transformer_2": "unmount"}
     from pipeline.families import load_family
     fresh = load_family("wan", ensure_tiny_wan(arch=TinyWanArch(dual="boundary")), torch_dtype=torch.float32,
                         device="cpu")
@@ -230,20 +217,21 @@ def test_paired_cache_dit_secondary_uses_the_primary_config():
     for field in ("num_inference_steps", "Fn_compute_blocks", "residual_diff_threshold", "steps_computation_mask"):
         assert getattr(c1, field) == getattr(c2, field), field
     assert c1.num_inference_steps == 8 and not c1.enable_separate_cfg and not c2.enable_separate_cfg
-    assert out.acceleration["transformer_calls"] == {"transformer": 8, "transformer_2": 8}
+    assert out.acceleration.transformer_calls == {"transformer": 8, "transformer_2": 8}
     # CFG gating at 0.5: the guide transformer's context is sized for the 4 steps it still runs.
     gated = params(runner.family, "a yellow ring", 2, guidance_scale=2.0, num_inference_steps=8,
                    enable_cache_dit=True, cfg_gate_step=0.5,
                    cache_dit_params={"Fn_compute_blocks": 1, "residual_diff_threshold": 0.3, "scm_preset": "fast"})
     out = _run(runner, gated)
     assert _contexts(runner.family.transformer_2).num_inference_steps == 4
-    assert out.acceleration["transformer_calls"] == {"transformer": 8, "transformer_2": 4}
+    assert out.acceleration.transformer_calls == {"transformer": 8, "transformer_2": 4}
 
 
 def test_attention_override_flips_every_layer_of_both_experts(moe_runner):
     runner = moe_runner
     layers = runner.attention.layers
-    per_transformer = [len([m for m in t.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")])
+    per_transformer = [len([m for m in t.modules() if getattr(m, "processor", None) is not None
+                            and diffusers_compat.has_backend_slot(m.processor)])
                        for t in runner.family.transformers.values()]
     assert len(layers) == sum(per_transformer) and min(per_transformer) == 20  # attn1 + attn2 x 10 blocks each
     exact = params(runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=4)
@@ -251,10 +239,10 @@ def test_attention_override_flips_every_layer_of_both_experts(moe_runner):
                   attention_backend_override="torch_math")
     a = _run(runner, exact)
     b = _run(runner, math)
-    assert {str(p._attention_backend) for p in layers} == {"AttentionBackendName._NATIVE_MATH"}
-    assert b.acceleration["attention_backend"] == "torch_math"
+    assert {diffusers_compat.get_processor_backend(p) for p in layers} == {"_native_math"}
+    assert b.acceleration.attention_backend == "torch_math"
     c = _run(runner, exact)
-    assert {p._attention_backend for p in layers} == {None}
+    assert {diffusers_compat.get_processor_backend(p) for p in layers} == {None}
     assert a.videos == c.videos  # back to the default kernel, byte-identical
-    frames = [runner.denoise(Batch("b", BatchSignature.of(p), (p,)))[0].images[0] for p in (exact, math)]
+    frames = [runner.denoise(batch_of(p)).images[0] for p in (exact, math)]
     assert np.abs(frames[0] - frames[1]).max() <= 1e-4  # math vs SDPA kernels: the same attention

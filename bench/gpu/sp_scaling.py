@@ -23,7 +23,8 @@ import torch  # noqa: E402
 def main() -> None:
     from diffusers import FluxTransformer2DModel
 
-    from pipeline.attention import KERNELS, AttentionSwitch, kernel_rejections
+    from parallel.kernels import KERNELS
+    from pipeline.attention import AttentionSwitch, replica_kernel_rejections
 
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
@@ -59,8 +60,8 @@ def main() -> None:
     switch = AttentionSwitch([model])
     results = {}
     for name in KERNELS:
-        reasons = kernel_rejections(name, device=torch.device("cuda"), dtype=torch.bfloat16, torch_compile=False,
-                                    num_layers=len(switch.layers))
+        reasons = replica_kernel_rejections(name, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                            torch_compile=False, num_layers=len(switch.layers))
         if reasons:
             print(f"  {name:12s} skipped: {'; '.join(reasons)}")
             continue

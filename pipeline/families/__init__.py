@@ -1,55 +1,50 @@
-"""Model-family adapters, registered by name. Each family's whole story lives in one module."""
+"""Model families by name: one module per family, one line per family in :data:`REGISTRY`.
+
+Each family class satisfies ``pipeline.families.base.ModelFamily``; its whole story lives in
+its own module, which is imported only when the family is used.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
-FAMILIES: dict[str, type] = {}
+# name -> "module:class"
+REGISTRY: dict[str, str] = {
+    "flux": "pipeline.families.flux:FluxFamily",
+    "wan": "pipeline.families.wan:WanFamily",
+}
 
 
-def register(name: str):
-    """Class decorator: make a family adapter loadable by ``name``."""
-
-    def wrap(cls):
-        cls.family = name
-        FAMILIES[name] = cls
-        return cls
-
-    return wrap
+def family_class(name: str) -> type:
+    """The class registered as ``name``. Raises ``ValueError`` for an unknown name."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(REGISTRY)}")
+    module, _, cls = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def detect_family(path: str | Path) -> str:
     """Family of a diffusers checkpoint directory, from ``model_index.json``'s ``_class_name``.
 
-    Raises ``ValueError`` if no registered family handles that pipeline class.
+    Raises ``ValueError`` if no registered family serves that pipeline class.
     """
-    _import_all()
     class_name = json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
-    for name, cls in FAMILIES.items():
-        if class_name in cls.pipeline_classes:
+    for name in REGISTRY:
+        if class_name in family_class(name).pipeline_classes:
             return name
-    raise ValueError(f"no ditserve family serves pipeline class {class_name!r}; known: {sorted(FAMILIES)}")
+    served = sorted(c for name in REGISTRY for c in family_class(name).pipeline_classes)
+    raise ValueError(f"no ditserve family serves pipeline class {class_name!r}; served: {', '.join(served)}")
 
 
 def load_family(name: str, path: str | Path, *, torch_dtype, device, **options):
-    """Load the checkpoint at ``path`` with the adapter registered as ``name``; ``options``
-    go to the adapter's ``from_pretrained`` (e.g. Wan's ``dual_transformer``)."""
-    _import_all()
-    _quiet_loading()
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name].from_pretrained(path, torch_dtype=torch_dtype, device=device, **options)
-
-
-def _quiet_loading() -> None:
-    """No per-component progress bars in server logs."""
+    """Load the checkpoint at ``path`` with the family registered as ``name``; ``options`` go
+    to its ``from_pretrained`` (e.g. Wan's ``dual_transformer``)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
+    cls = family_class(name)
+    diffusers_logging.disable_progress_bar()  # no per-component progress bars in server logs
     transformers_logging.disable_progress_bar()
-
-
-def _import_all() -> None:
-    from pipeline.families import flux, wan  # noqa: F401  (register themselves)
+    return cls.from_pretrained(path, torch_dtype=torch_dtype, device=device, **options)

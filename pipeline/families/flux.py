@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families import register
+from compat import diffusers as compat
+from pipeline.families.base import count_blocks
+from pipeline.modes import DualMode, GuidanceMode
 
 
 @dataclass
@@ -30,15 +32,15 @@ class FluxConditioning:
         return FluxConditioning(self.prompt_embeds[index], self.pooled[index], self.text_ids)
 
 
-@register("flux")
 class FluxFamily:
     """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers)."""
 
+    family = "flux"
     pipeline_classes = ("FluxPipeline",)
-    dual_mode = None       # one transformer
+    dual_mode = DualMode.SINGLE
     boundary_ratio = None
-    cfg_style = "true_cfg"  # guidance embedding + diffusers' true CFG on a negative prompt
-    temporal_factor = 0     # images only
+    guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
+    temporal_factor = 0                     # images only
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -79,7 +81,12 @@ class FluxFamily:
     def num_attention_heads(self) -> int:
         return int(self.transformer.config.num_attention_heads)
 
-    def sequence_lengths(self, width: int, height: int) -> dict[str, int]:
+    @property
+    def num_blocks(self) -> int:
+        """Double-stream plus single-stream blocks."""
+        return count_blocks(self.transformer)
+
+    def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
         """Tokens per sample the transformer sees: packed image patches and T5 text tokens."""
         return {"image tokens": (height // self.spatial_factor) * (width // self.spatial_factor),
                 "text tokens": self.max_sequence_length}
@@ -92,7 +99,7 @@ class FluxFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> FluxConditioning:
+    def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
         """Encode B prompts with CLIP (pooled) and T5 (padded to ``max_sequence_length``)."""
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
@@ -113,19 +120,18 @@ class FluxFamily:
         h = 2 * (int(height) // (self.vae_scale_factor * 2))
         w = 2 * (int(width) // (self.vae_scale_factor * 2))
         noise = [randn_tensor((count, channels, h, w), generator=g, device=self.device, dtype=self.dtype)
-                 for g, count in zip(generators, counts)]
+                 for g, count in zip(generators, counts, strict=True)]
         latents = torch.cat(noise)
-        latents = self.pipe._pack_latents(latents, latents.shape[0], channels, h, w)
-        img_ids = self.pipe._prepare_latent_image_ids(latents.shape[0], h // 2, w // 2, self.device, self.dtype)
+        latents = compat.flux_pack_latents(latents, latents.shape[0], channels, h, w)
+        img_ids = compat.flux_latent_image_ids(latents.shape[0], h // 2, w // 2, self.device, self.dtype)
         return latents, img_ids
 
-    def scheduler_and_timesteps(self, num_inference_steps: int, latents: torch.Tensor):
+    def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler for this batch and its timesteps (FLUX sigmas and
-        shift ``mu`` from the packed ``latents``' sequence length, as ``FluxPipeline``)."""
+        shift ``mu`` from the image's packed sequence length, as ``FluxPipeline``)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-        image_seq_len = latents.shape[1]
-
+        image_seq_len = self.sequence_lengths(params.width, params.height)["image tokens"]
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         if getattr(scheduler.config, "use_flow_sigmas", False):
@@ -137,30 +143,29 @@ class FluxFamily:
         scheduler.set_begin_index(0)
         return scheduler, timesteps
 
-    def guidance(self, guidance_scale: float, batch: int) -> torch.Tensor | None:
+    def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
         """FLUX.1-dev's distilled guidance input: (B,) float32, or None without guidance embedding."""
-        if not self.guidance_embeds:
+        if not self.guidance_embeds or embedded_guidance_scale is None:
             return None
-        return torch.full([1], guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
+        return torch.full([1], embedded_guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
 
     @torch.no_grad()
-    def predict(self, latents, t, cond: FluxConditioning, guidance, img_ids, model: str = "transformer",
+    def predict(self, latents, t, cond: FluxConditioning, guidance, positions, *, model: str = "transformer",
                 branch: str = "cond"):
         """One transformer call: latents (B, S, 4·C) → velocity (B, S, 4·C). ``model`` is
-        always ``"transformer"`` (FLUX.1 has one)."""
+        always ``"transformer"`` (FLUX.1 has one); ``positions`` are the img_ids."""
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         with self.transformer.cache_context(branch):
             return self.transformer(
                 hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
                 pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
-                txt_ids=cond.text_ids, img_ids=img_ids, joint_attention_kwargs={}, return_dict=False)[0]
+                txt_ids=cond.text_ids, img_ids=positions, joint_attention_kwargs={}, return_dict=False)[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params) -> np.ndarray:
         """Packed latents (B, S, 4·C) → images (B, params.height, params.width, 3) float32 in [0, 1]."""
         vae = self.pipe.vae
-        height, width = params.height, params.width
-        latents = self.pipe._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = compat.flux_unpack_latents(latents, params.height, params.width, self.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="np")

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.families import register
+from compat import diffusers as compat
+from pipeline.families.base import count_blocks
+from pipeline.modes import DualMode, GuidanceMode
 
 
 @dataclass
@@ -30,19 +32,18 @@ class WanConditioning:
         return WanConditioning(self.prompt_embeds[index])
 
 
-@register("wan")
 class WanFamily:
     """Adapter over a loaded ``diffusers.WanPipeline``.
 
-    ``dual_mode``: None (one transformer, Wan 2.1), ``"boundary"`` (the pipeline's
-    ``boundary_ratio`` is set: Wan 2.2 A14B experts) or ``"paired"`` (declared by the
+    ``dual_mode``: ``SINGLE`` (one transformer, Wan 2.1), ``BOUNDARY`` (the pipeline's
+    ``boundary_ratio`` is set: Wan 2.2 A14B experts) or ``PAIRED`` (declared by the
     checkpoint's ``ditserve.json`` ``{"dual_transformer": "paired"}`` or the serve config's
     ``model.dual_transformer``). Raises ``ValueError`` when the mode needs a
     ``transformer_2`` the checkpoint lacks.
     """
 
+    family = "wan"
     pipeline_classes = ("WanPipeline",)
-    cfg_style = "cfg"  # WanPipeline: guidance_scale > 1 runs a separate unconditional forward
     guidance_embeds = False
 
     def __init__(self, pipe, dual_transformer: str | None = None):
@@ -53,16 +54,17 @@ class WanFamily:
         self.dtype = pipe.transformer.dtype
         self.max_sequence_length = min(512, int(pipe.tokenizer.model_max_length))
         self.boundary_ratio = pipe.config.boundary_ratio
-        mode = dual_transformer or ("boundary" if self.boundary_ratio is not None else None)
-        if mode not in (None, "boundary", "paired"):
-            raise ValueError(f"dual_transformer must be 'boundary' or 'paired', got {mode!r}")
-        if mode is not None and self.transformer_2 is None:
-            raise ValueError(f"dual_transformer={mode!r} needs a checkpoint with transformer_2")
-        if mode == "boundary" and self.boundary_ratio is None:
+        if dual_transformer not in (None, DualMode.BOUNDARY, DualMode.PAIRED):
+            raise ValueError(f"dual_transformer must be 'boundary' or 'paired', got {dual_transformer!r}")
+        mode = DualMode(dual_transformer or (DualMode.BOUNDARY if self.boundary_ratio is not None
+                                             else DualMode.SINGLE))
+        if mode != DualMode.SINGLE and self.transformer_2 is None:
+            raise ValueError(f"dual_transformer={mode.value!r} needs a checkpoint with transformer_2")
+        if mode == DualMode.BOUNDARY and self.boundary_ratio is None:
             raise ValueError("dual_transformer='boundary' needs the pipeline's boundary_ratio")
         self.dual_mode = mode
-        if mode == "paired":
-            self.cfg_style = "paired"
+        # WanPipeline: guidance_scale > 1 runs a separate unconditional forward; paired: the second transformer guides
+        self.guidance_style = GuidanceMode.AUTOGUIDANCE if mode == DualMode.PAIRED else GuidanceMode.CFG
 
     @classmethod
     def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu",
@@ -92,13 +94,18 @@ class WanFamily:
     def transformers(self) -> dict[str, torch.nn.Module]:
         """The transformers this model runs: ``transformer`` and, in a dual mode, ``transformer_2``."""
         out = {"transformer": self.transformer}
-        if self.dual_mode is not None:
+        if self.dual_mode != DualMode.SINGLE:
             out["transformer_2"] = self.transformer_2
         return out
 
     @property
     def num_attention_heads(self) -> int:
         return int(self.transformer.config.num_attention_heads)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the shallowest transformer (both experts of Wan 2.2 have the same depth)."""
+        return min(count_blocks(t) for t in self.transformers.values())
 
     def latent_frames(self, num_frames: int) -> int:
         return (num_frames - 1) // self.temporal_factor + 1
@@ -118,10 +125,9 @@ class WanFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> WanConditioning:
+    def encode_prompts(self, prompts: list[str]) -> WanConditioning:
         """Encode B prompts with UMT5, padded to ``max_sequence_length`` (as ``WanPipeline``)."""
-        embeds = self.pipe._get_t5_prompt_embeds(prompt=prompts, num_videos_per_prompt=1,
-                                                 max_sequence_length=self.max_sequence_length, device=self.device)
+        embeds = compat.wan_prompt_embeds(self.pipe, prompts, self.max_sequence_length, self.device)
         return WanConditioning(embeds.to(self.dtype))
 
     def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params):
@@ -132,21 +138,21 @@ class WanFamily:
         shape = (self.transformer.config.in_channels, self.latent_frames(params.num_frames),
                  params.height // self.pipe.vae_scale_factor_spatial, params.width // self.pipe.vae_scale_factor_spatial)
         noise = [randn_tensor((count, *shape), generator=g, device=self.device, dtype=torch.float32)
-                 for g, count in zip(generators, counts)]
+                 for g, count in zip(generators, counts, strict=True)]
         return torch.cat(noise), None
 
-    def scheduler_and_timesteps(self, num_inference_steps: int, latents: torch.Tensor):
+    def scheduler_and_timesteps(self, num_inference_steps: int, params=None):
         """A fresh copy of the checkpoint's scheduler (UniPC flow prediction for Wan) and its timesteps."""
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
-    def guidance(self, guidance_scale: float, batch: int) -> None:
+    def guidance(self, embedded_guidance_scale: float | None, batch: int) -> None:
         """Wan has no guidance embedding: always None."""
 
     @torch.no_grad()
-    def predict(self, latents, t, cond: WanConditioning, guidance, positions, model: str = "transformer",
+    def predict(self, latents, t, cond: WanConditioning, guidance, positions, *, model: str = "transformer",
                 branch: str = "cond"):
         """One call of transformer ``model``: latents (B, C, T, h, w) → flow (B, C, T, h, w)."""
         transformer = self.transformers[model]

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.contract import ServingLimits, validate_image_request
-from pipeline.runner import Batch, BatchRunner
+from pipeline.contract.images import validate_image_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.runner import BatchRunner
 from pipeline.sampling import resolve
 from pipeline.signature import BatchSignature
 from pipeline.tiny.data import split_scenes
 from pipeline.tiny.score import read_image
+from pipeline.wire import Batch
 
 
 def evaluate(runner: BatchRunner, *, steps: int = 16, prompts: int = 50, seed: int = 0, batch: int = 10) -> dict:
@@ -37,8 +39,8 @@ def evaluate(runner: BatchRunner, *, steps: int = 16, prompts: int = 50, seed: i
         params = tuple(resolve(validate_image_request({"prompt": s.caption, "seed": start + i}, limits), limits)
                        for i, s in enumerate(chunk))
         outputs = runner.run(Batch("eval", BatchSignature.of(params[0]), params))
-        for scene, out in zip(chunk, outputs):
-            seen = read_image(np.asarray(Image.open(io.BytesIO(out.pngs[0])).convert("RGB")))
+        for scene, out in zip(chunk, outputs, strict=True):
+            seen = read_image(np.asarray(Image.open(io.BytesIO(out.images[0])).convert("RGB")))
             hits["color"] += seen["color"] == scene.color
             hits["background"] += seen["background"] == scene.background
             hits["shape"] += seen["shape"] == scene.shape

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from pipeline.tiny.build import TinyFluxArch, build_tiny_flux_pipeline
+from compat import diffusers as compat
+from pipeline.tiny.flux import TinyFluxArch, build_tiny_flux_pipeline
 from pipeline.tiny.data import make_dataset, split_scenes
 
 
@@ -70,7 +71,7 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
     pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     z = (z - shift) * scale
     n, c, h, w = z.shape
-    return pipe._pack_latents(z, n, c, h, w)
+    return compat.flux_pack_latents(z, n, c, h, w)
 
 
 def tokenize(pipe, captions: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +89,7 @@ def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, ste
     captions' token ids, the last one the empty caption (the unconditional branch)."""
     transformer = pipe.transformer
     h = w = int(latents.shape[1] ** 0.5)
-    img_ids = pipe._prepare_latent_image_ids(1, h, w, latents.device, latents.dtype)
+    img_ids = compat.flux_latent_image_ids(1, h, w, latents.device, latents.dtype)
     params = [*transformer.parameters(), *pipe.text_encoder.parameters(), *pipe.text_encoder_2.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=max(steps, 1), pct_start=0.05)

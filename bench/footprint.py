@@ -1,0 +1,83 @@
+"""Resident memory of every Serve process of a running ditserve app, and whether each loaded torch.
+
+Starts a local Ray cluster, deploys a Serve config file (default ``configs/tiny-cpu.yaml``), sends
+one image request so every process has done its work once, then reads each process's resident set
+size (RSS, MiB) and its memory map (``/proc/PID/maps``: is ``libtorch`` mapped?) by the process
+title Ray gives actors (``ray::ServeReplica:APP:DEPLOYMENT``). Linux only.
+
+    .venv/bin/python bench/footprint.py [--config configs/tiny-cpu.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deployments.cli import load_serve_config  # noqa: E402
+from parallel.groups import free_port  # noqa: E402
+
+
+def serve_processes() -> dict[str, int]:
+    """``{process title: pid}`` of Ray Serve's actors on this machine (``/proc`` cmdlines)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if cmdline.startswith("ray::Serve"):
+            found[cmdline.split(" ")[0].removeprefix("ray::")] = int(entry)
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def loads_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny-cpu.yaml")
+    ns = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = load_serve_config(ns.config)
+    ray.init(num_cpus=4, log_to_driver=False, include_dashboard=False)
+    port = free_port("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(config["args"]), name="ditserve", route_prefix="/")
+        url = f"http://127.0.0.1:{port}/v1/images/generations"
+        r = httpx.post(url, json={"prompt": "a red circle", "seed": 1, "num_inference_steps": 2}, timeout=300)
+        r.raise_for_status()
+        time.sleep(1.0)
+        print(f"{'process':44s} {'RSS MiB':>8s}  torch")
+        for title, pid in sorted(serve_processes().items()):
+            print(f"{title:44s} {rss_mib(pid):8.1f}  {'yes' if loads_torch(pid) else 'no'}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

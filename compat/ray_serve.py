@@ -1,0 +1,41 @@
+"""Ray Serve's private APIs that ditserve uses, in one place (tested range: ``TESTED``).
+
+Imported only by ``deployments/`` and the tests. A ``RequestRouter`` knows its deployment only
+as the private ``_deployment_id`` (the public ``app_name`` gives just the application), and
+deploying a Serve config file in-process (what ``serve deploy`` does over the dashboard's REST
+API) is the private client's ``deploy_apps``.
+"""
+
+from __future__ import annotations
+
+from compat import CompatError, Reliance, missing
+
+DISTRIBUTION = "ray"
+TESTED = ">=2.60,<2.61"
+
+RELIES_ON = (
+    Reliance("ray.serve.request_router", "RequestRouter", "the replica-choice extension point"),
+    Reliance("ray.serve.context", "_get_global_client", "deploying a config file in-process (tests)"),
+)
+
+
+def check() -> list[str]:
+    """What the installed Ray lacks of :data:`RELIES_ON` (empty: nothing)."""
+    return missing(DISTRIBUTION, TESTED, RELIES_ON)
+
+
+def deployment_name(router) -> str:
+    """The name of the deployment a ``RequestRouter`` routes to (its private ``_deployment_id``)."""
+    try:
+        return router._deployment_id.name
+    except AttributeError as exc:
+        raise CompatError(f"Ray Serve's RequestRouter no longer has _deployment_id ({exc}); ditserve is tested "
+                          f"with ray{TESTED}") from None
+
+
+def deploy_config(config) -> None:
+    """Deploy a ``ServeDeploySchema`` on the connected cluster as ``serve deploy`` would, and wait
+    until Serve has taken it (not until the application is running)."""
+    from ray.serve.context import _get_global_client
+
+    _get_global_client().deploy_apps(config, _blocking=True)

@@ -1,0 +1,154 @@
+"""Video jobs (OpenAI's video API: create, retrieve, list, content, delete), kept in the Router.
+
+A job wraps one queued video request: it is admitted and enqueued when it is created (so a job
+answered 200 is never refused later), moves to ``in_progress`` when its batch is dispatched,
+follows the denoising steps in ``progress``, and ends ``completed`` or ``failed`` (with the
+error), never stuck. Finished jobs are kept ``ttl_s`` seconds and at most ``max_finished`` of
+them; then their id answers 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from pipeline.contract.videos import JobStatus, VideoJob, VideoJobMetadata
+from pipeline.errors import DitServeError, InvalidRequestError, NotFoundError
+from pipeline.sampling import SamplingParams
+from pipeline.wire import GenerationMetadata, RequestOutput
+
+
+@dataclass(eq=False)
+class Job:
+    """One video job: its request, state, output and timestamps (Unix seconds)."""
+
+    params: SamplingParams
+    created_at: float = field(default_factory=time.time)
+    status: JobStatus = JobStatus.QUEUED
+    progress: int = 0
+    completed_at: float | None = None
+    ttl_s: float = 3600.0
+    error: dict | None = None
+    output: RequestOutput | None = None
+    task: asyncio.Task | None = None
+
+    def finish(self, status: JobStatus, error: dict | None = None) -> None:
+        self.status, self.error, self.completed_at = status, error, time.time()
+        if status == JobStatus.COMPLETED:
+            self.progress = 100
+
+    def on_progress(self, done: int, steps: int) -> None:
+        """Its batch ran ``done`` of ``steps`` denoising steps."""
+        if self.completed_at is not None:  # failed already (deadline, deletion): its batch runs on
+            return
+        self.status = JobStatus.IN_PROGRESS
+        self.progress = max(self.progress, min(99, int(100 * done / steps)))
+
+    def view(self) -> VideoJob:
+        p = self.params
+        result = {} if self.output is None else GenerationMetadata.of(self.output).model_dump()
+        return VideoJob(
+            id=p.request_id, model=p.model, status=self.status, progress=self.progress,
+            created_at=int(self.created_at),
+            completed_at=None if self.completed_at is None else int(self.completed_at),
+            expires_at=None if self.completed_at is None else int(self.completed_at + self.ttl_s),
+            size=f"{p.width}x{p.height}", seconds=f"{p.num_frames / p.fps:g}", error=self.error,
+            ditserve=VideoJobMetadata(num_frames=p.num_frames, fps=p.fps, **{**result, "seed": p.seed}))
+
+
+class JobStore:
+    """Video jobs by id. Finished jobs are evicted ``ttl_s`` seconds after they finish, and
+    beyond ``max_finished`` finished jobs the oldest go first; running ones are never evicted."""
+
+    def __init__(self, ttl_s: float = 3600.0, max_finished: int = 100, clock: Callable[[], float] = time.time):
+        self.ttl_s = ttl_s
+        self.max_finished = max_finished
+        self._clock = clock  # Unix seconds
+        self._jobs: dict[str, Job] = {}
+
+    def add(self, params: SamplingParams) -> Job:
+        self.evict()
+        job = Job(params, ttl_s=self.ttl_s)
+        self._jobs[params.request_id] = job
+        return job
+
+    def get(self, job_id: str) -> Job:
+        """The job. Raises ``NotFoundError`` (404) for an unknown, deleted or evicted id."""
+        self.evict()
+        if job_id not in self._jobs:
+            raise NotFoundError(f"no video job {job_id!r} (unknown, deleted, or expired after its retention)",
+                                param="video_id", code="video_not_found")
+        return self._jobs[job_id]
+
+    def all(self) -> list[Job]:
+        """Every job kept, newest first."""
+        self.evict()
+        return sorted(self._jobs.values(), key=lambda j: j.created_at, reverse=True)
+
+    def pop(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        del self._jobs[job_id]
+        return job
+
+    def evict(self) -> None:
+        now = self._clock()
+        finished = sorted((j for j in self._jobs.values() if j.completed_at is not None),
+                          key=lambda j: j.completed_at)
+        expired = [j for j in finished if j.completed_at + self.ttl_s <= now]
+        expired += [j for j in finished if j not in expired][:max(0, len(finished) - len(expired) - self.max_finished)]
+        for job in expired:
+            self._jobs.pop(job.params.request_id, None)
+
+
+class VideoJobs:
+    """The job API over a :class:`JobStore`. ``wait(params, on_progress)`` is the Router's: it
+    awaits an already admitted and enqueued request's output (raising its error)."""
+
+    def __init__(self, store: JobStore, wait: Callable[..., Awaitable[RequestOutput]]):
+        self.store = store
+        self._wait = wait
+
+    def track(self, job: Job, enqueued) -> VideoJob:
+        """Follow ``job``'s request, which the Router has just admitted and enqueued
+        (``enqueued``: its queue entry, with ``job.on_progress`` as its progress callback), to
+        its end; return the job at once (``status: queued``)."""
+        job.task = asyncio.get_running_loop().create_task(self._run(job, enqueued))
+        return job.view()
+
+    async def _run(self, job: Job, enqueued) -> None:
+        try:
+            job.output = await self._wait(enqueued)
+            job.finish(JobStatus.COMPLETED)
+        except asyncio.CancelledError:
+            job.finish(JobStatus.FAILED, {"code": "cancelled", "message": "the job was deleted"})
+        except DitServeError as exc:
+            job.finish(JobStatus.FAILED, {"code": exc.code or type(exc).__name__, "message": str(exc)})
+        except Exception as exc:  # never leave a job in_progress
+            job.finish(JobStatus.FAILED, {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"})
+
+    def list(self) -> list[VideoJob]:
+        """Every job kept (queued, running and finished within retention), newest first."""
+        return [job.view() for job in self.store.all()]
+
+    def get(self, job_id: str) -> VideoJob:
+        """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""
+        return self.store.get(job_id).view()
+
+    def content(self, job_id: str) -> bytes:
+        """The finished job's MP4 bytes. Raises ``NotFoundError`` (404), or
+        ``InvalidRequestError`` (400) while the job is not completed."""
+        job = self.store.get(job_id)
+        if job.status != JobStatus.COMPLETED:
+            raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
+                                      param="video_id", code="video_not_ready")
+        return job.output.videos[0]
+
+    def delete(self, job_id: str) -> dict:
+        """Forget a job; a queued or running one is cancelled (it leaves its queue; a batch
+        already running finishes without it). Raises ``NotFoundError`` (404)."""
+        job = self.store.pop(job_id)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+        return {"id": job_id, "object": "video.deleted", "deleted": True}

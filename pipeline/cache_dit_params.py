@@ -1,0 +1,101 @@
+"""``cache_dit_params``: the per-request Cache-DiT override, as a frozen pydantic model (torch-free).
+
+The knob names are cache-dit's own (``DBCacheConfig``: ``Fn_compute_blocks``,
+``Bn_compute_blocks``, ``max_warmup_steps``, ``residual_diff_threshold``,
+``max_continuous_cached_steps``; ``TaylorSeerCalibratorConfig``: ``taylorseer_order``). The
+step-computation-mask keys follow cache-dit's ``steps_mask`` helper (presets
+``slow | medium | fast | ultra``, or explicit ``compute_bins`` / ``cache_bins``; cache-dit's
+README, "Steps Computation Masking"). ``secondary`` holds knobs for the second transformer of
+a dual-transformer model; a knob it does not set is inherited from the primary's.
+
+A validated override is frozen and hashable: it is the Cache-DiT part of a batch signature
+and of the replica state. Unknown keys, wrong types (no bool for an integer, no string for a
+number) and values outside the bounds below are rejected with the field's dotted path.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Static bounds, before the request and the model are known (the request validator then checks
+# against its own step count and the model's block count).
+MAX_BLOCKS = 1024  # far above any DiT's depth (FLUX.1: 19 + 38 blocks, Wan 2.x 14B: 40)
+MAX_STEPS = 10_000
+# TaylorSeer keeps taylorseer_order derivatives of every cached activation; its paper
+# (arXiv:2503.06923) and cache-dit recommend 1 or 2. Orders beyond 4 only cost memory.
+MAX_TAYLORSEER_ORDER = 4
+MAX_THRESHOLD = 1e6  # residual_diff_threshold is a relative L1 difference (typically 0.05..1)
+
+SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra")
+SCM_POLICIES = ("dynamic", "static")
+_Bin = Annotated[int, Field(strict=True, ge=1, le=MAX_STEPS)]
+
+
+class CacheDiTKnobs(BaseModel):
+    """DBCache knobs of one transformer; an unset knob is cache-dit's default.
+
+    ``Fn_compute_blocks`` / ``Bn_compute_blocks``: blocks always computed at the front / back
+    (Fn >= 1). ``max_warmup_steps``: first steps never cached. ``residual_diff_threshold`` (> 0):
+    relative L1 change of the first blocks' residual below which a step is served from cache.
+    ``max_continuous_cached_steps`` (-1: unlimited): cached steps in a row. ``enable_taylorseer``
+    / ``taylorseer_order`` (1..4): TaylorSeer forecasting of cached residuals.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    Fn_compute_blocks: int = Field(None, ge=1, le=MAX_BLOCKS)
+    Bn_compute_blocks: int = Field(None, ge=0, le=MAX_BLOCKS)
+    max_warmup_steps: int = Field(None, ge=0, le=MAX_STEPS)
+    residual_diff_threshold: float = Field(None, gt=0, le=MAX_THRESHOLD, allow_inf_nan=False)
+    max_continuous_cached_steps: int = Field(None, ge=-1, le=MAX_STEPS)
+    enable_taylorseer: bool = None
+    taylorseer_order: int = Field(None, ge=1, le=MAX_TAYLORSEER_ORDER)
+
+    def set_knobs(self) -> dict:
+        """The knobs this override sets, by cache-dit's names (unset ones left out)."""
+        return {name: getattr(self, name) for name in CacheDiTKnobs.model_fields if getattr(self, name) is not None}
+
+
+class CacheDiTParams(CacheDiTKnobs):
+    """The whole ``cache_dit_params`` object of a request.
+
+    ``scm_preset`` or ``scm_compute_bins`` + ``scm_cache_bins`` (together; bins of steps >= 1)
+    make a step-computation mask, run ``scm_policy`` (``dynamic``: cached steps still check the
+    residual; ``static``: they never compute). ``secondary``: knobs of ``transformer_2``.
+    """
+
+    scm_preset: Literal["none", "slow", "medium", "fast", "ultra"] = None
+    scm_compute_bins: tuple[_Bin, ...] = Field(None, strict=False)
+    scm_cache_bins: tuple[_Bin, ...] = Field(None, strict=False)
+    scm_policy: Literal["dynamic", "static"] = None
+    secondary: CacheDiTKnobs = None
+
+    @model_validator(mode="after")
+    def _masks(self) -> "CacheDiTParams":
+        if (self.scm_compute_bins is None) != (self.scm_cache_bins is None):
+            raise ValueError("scm_compute_bins and scm_cache_bins must be given together")
+        if self.scm_compute_bins is not None and not (self.scm_compute_bins and self.scm_cache_bins):
+            raise ValueError("scm_compute_bins and scm_cache_bins must not be empty")
+        if self.scm_compute_bins is not None and self.scm_preset not in (None, "none"):
+            raise ValueError("give either scm_preset or scm_compute_bins/scm_cache_bins, not both")
+        return self
+
+    @property
+    def has_mask(self) -> bool:
+        """Whether a step-computation mask is asked for (a preset other than none, or bins)."""
+        return self.scm_compute_bins is not None or self.scm_preset not in (None, "none")
+
+    def for_transformer(self, name: str) -> "CacheDiTParams":
+        """The override of transformer ``name``: this one without ``secondary`` for
+        ``transformer``; for ``transformer_2`` the ``secondary`` knobs over this one's."""
+        update = {"secondary": None}
+        if name != "transformer" and self.secondary is not None:
+            update.update(self.secondary.set_knobs())
+        return self.model_copy(update=update)
+
+    def describe(self) -> str:
+        """Compact text for signatures and logs: the keys that are set, e.g. ``{Fn_compute_blocks: 1}``."""
+        parts = [f"{k}: {v}" for k, v in self.model_dump(exclude_none=True).items()]
+        return "{" + ", ".join(parts) + "}"

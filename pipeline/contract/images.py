@@ -1,0 +1,79 @@
+"""OpenAI's ``POST /v1/images/generations``: the request (plus ditserve's extensions) and the response."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from pipeline.contract.base import GenerationRequest, limits_of, non_negative, validate_body
+from pipeline.contract.limits import ServingLimits
+from pipeline.errors import InvalidRequestError
+from pipeline.wire import GenerationMetadata
+
+
+class ImageGenerationRequest(GenerationRequest):
+    """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
+
+    ``n``: images, 1..``max_n``. ``true_cfg_scale``: FLUX's true CFG, on when > 1 and a
+    ``negative_prompt`` is given (diffusers' rule). Validate with :func:`validate_image_request`,
+    which applies the served model's limits and reports every problem at once.
+    """
+
+    n: int = 1
+    response_format: str = "b64_json"
+    true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int, info: ValidationInfo) -> int:
+        limits = limits_of(info)
+        top = limits.max_n if limits else None
+        if v < 1 or (top is not None and v > top):
+            raise ValueError(f"n must be between 1 and {top}, got {v}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: str) -> str:
+        if v != "b64_json":
+            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {v!r}")
+        return v
+
+    @field_validator("true_cfg_scale")
+    @classmethod
+    def _true_cfg_scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        return non_negative(v, info)
+
+    @model_validator(mode="after")
+    def _tokens_split(self, info: ValidationInfo) -> "ImageGenerationRequest":
+        self.check_split(limits_of(info), 1)
+        return self
+
+
+def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationRequest:
+    """Validate an image request body (dict or model) against the served model's limits.
+
+    Raises ``ModelNotFoundError`` (404) if ``model`` names another model, and
+    ``InvalidRequestError`` (400) listing every problem found, ``param`` set to the first
+    offending field (also when the served model generates videos).
+    """
+    if limits.temporal_factor:
+        raise InvalidRequestError(f"model {limits.model_name!r} generates videos; use POST /v1/videos "
+                                  "(handle: submit_video)", param="model", code="wrong_endpoint")
+    return validate_body(ImageGenerationRequest, body, limits)
+
+
+class ImageData(BaseModel):
+    """One generated image, a base64-encoded PNG."""
+
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    """OpenAI's images response plus the ``ditserve`` metadata block of the design."""
+
+    created: int
+    data: list[ImageData]
+    ditserve: GenerationMetadata

@@ -1,0 +1,161 @@
+"""OpenAI's ``POST /v1/videos`` jobs: the request (plus ditserve's extensions) and the job object."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_serializer, model_validator
+
+from pipeline.contract.base import GenerationRequest, limits_of, non_negative, validate_body
+from pipeline.contract.limits import ServingLimits
+from pipeline.errors import InvalidRequestError
+from pipeline.modes import DualMode, StrEnum
+from pipeline.wire import AccelerationReport
+
+MAX_SECONDS = 3600  # a bound before frames are computed; limits.max_frames is the real cap
+
+
+class VideoGenerationRequest(GenerationRequest):
+    """Body of ``POST /v1/videos`` and argument of the handle's ``submit_video``.
+
+    ``seconds`` (OpenAI's field; a number or numeric string) or ``num_frames`` set the
+    length: ``seconds`` becomes ``temporal_factor · round(seconds · fps / temporal_factor) + 1``
+    frames; ``num_frames`` must already be of that form (Wan: 4k + 1). ``fps``: frames per
+    second of the MP4. ``guidance_scale_2`` (guidance of the low-noise expert) and
+    ``boundary_ratio`` (in [0, 1], the fraction of ``num_train_timesteps`` below which the
+    second expert runs) apply to boundary-expert models (Wan 2.2 A14B) only.
+    """
+
+    seconds: float | str | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    guidance_scale_2: float | None = Field(default=None, allow_inf_nan=False)
+    boundary_ratio: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, v: float | str | None) -> float | None:
+        if v is None:
+            return v
+        try:
+            seconds = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}") from None
+        if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+            raise ValueError(f"seconds must be a number of seconds in (0, {MAX_SECONDS}], got {v!r}")
+        return seconds
+
+    @field_validator("fps")
+    @classmethod
+    def _fps(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= 120:
+            raise ValueError(f"fps must be between 1 and 120, got {v}")
+        return v
+
+    @field_validator("guidance_scale_2", "boundary_ratio")
+    @classmethod
+    def _boundary_fields(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limits = limits_of(info)
+        if v is not None and limits and limits.dual_mode != DualMode.BOUNDARY:
+            raise ValueError(f"{info.field_name} applies to models with boundary experts (Wan 2.2 A14B); "
+                             f"{limits.model_name!r} has none")
+        if info.field_name == "boundary_ratio" and v is not None and not 0.0 <= v <= 1.0:
+            raise ValueError(f"boundary_ratio must be in [0, 1], got {v}")
+        return non_negative(v, info)
+
+    def frames(self, limits: ServingLimits) -> int:
+        """The frame count this request asks for (before the limit checks)."""
+        factor = max(limits.temporal_factor, 1)
+        fps = self.fps or limits.default_fps
+        if self.num_frames is not None:
+            return self.num_frames
+        if self.seconds is not None:
+            return factor * max(1, round(float(self.seconds) * fps / factor)) + 1
+        return limits.default_num_frames
+
+    @model_validator(mode="after")
+    def _length(self, info: ValidationInfo) -> "VideoGenerationRequest":
+        limits = limits_of(info)
+        if self.seconds is not None and self.num_frames is not None:
+            raise ValueError("seconds: give either seconds or num_frames, not both")
+        if not limits:
+            return self
+        frames = self.frames(limits)
+        field = "num_frames" if self.num_frames is not None else "seconds"
+        factor = limits.temporal_factor
+        if frames < 1 or (factor and (frames - 1) % factor):
+            raise ValueError(f"{field}: num_frames must be {factor}·k + 1 (the VAE's temporal factor is {factor}), "
+                             f"e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1}; got {frames}")
+        if frames > limits.max_frames:
+            raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed")
+        self.check_split(limits, (frames - 1) // max(factor, 1) + 1)
+        return self
+
+
+def validate_video_request(body: Any, limits: ServingLimits) -> VideoGenerationRequest:
+    """Validate a video request body (dict or model) against the served model's limits.
+
+    Raises ``ModelNotFoundError`` (404) for another model's name and ``InvalidRequestError``
+    (400) listing every problem, ``param`` the first offending field (also when the served
+    model generates images only).
+    """
+    if not limits.temporal_factor:
+        raise InvalidRequestError(f"model {limits.model_name!r} generates images; use POST "
+                                  "/v1/images/generations (handle: generate)", param="model",
+                                  code="wrong_endpoint")
+    return validate_body(VideoGenerationRequest, body, limits)
+
+
+class JobStatus(StrEnum):
+    """A video job's life: queued → in_progress → completed | failed (OpenAI's values)."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class VideoJobMetadata(BaseModel):
+    """The job's ``ditserve`` block: its frames, fps and seed from the start; the batch, timings
+    and accelerations (as :class:`pipeline.wire.GenerationMetadata`) once it has run."""
+
+    num_frames: int
+    fps: int
+    seed: int
+    request_id: str | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
+    signature: str | None = None
+    replica: str | None = None
+    world_size: int | None = None
+    state_change: bool | None = None
+    timings_ms: dict[str, float] | None = None
+    acceleration: AccelerationReport | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unknown(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class VideoJob(BaseModel):
+    """A video job as OpenAI's video API shows it (``object: "video"``), plus ``ditserve``.
+
+    ``status``: queued → in_progress → completed | failed. ``progress``: 0–100, the share
+    of denoising steps done. ``created_at`` / ``completed_at`` / ``expires_at``: Unix
+    seconds. ``seconds``: the video's length (frames / fps) as a string, as OpenAI's field.
+    ``error``: ``{"code", "message"}`` when failed.
+    """
+
+    id: str
+    object: str = "video"
+    model: str
+    status: JobStatus
+    progress: int = 0
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    size: str
+    seconds: str
+    error: dict[str, Any] | None = None
+    ditserve: VideoJobMetadata

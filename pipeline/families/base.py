@@ -1,0 +1,117 @@
+"""The interface a model family provides to the loop, the runner and sequence parallelism.
+
+A family adapts one diffusers pipeline class (``FluxPipeline``, ``WanPipeline``, ...): it
+encodes prompts, shapes latents, calls its transformer(s) for one step and decodes. The
+denoising loop itself is ours (``pipeline.loop``), so batching, guidance, CFG gating,
+Cache-DiT and sequence sharding work the same for every family.
+
+Adding a family: one module in ``pipeline/families/`` with a class that satisfies
+:class:`ModelFamily`, one line in ``pipeline.families.REGISTRY``, and a tiny model in
+``pipeline.tiny.registry`` so ``tests/test_family_conformance.py`` covers it.
+
+Shapes below: ``B`` samples in the batch (a request with ``n`` counts ``n``), ``S`` latent
+tokens per sample, ``L`` text tokens, ``H``/``W`` pixels, ``F`` frames.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from pipeline.modes import DualMode, GuidanceMode
+
+
+@runtime_checkable
+class Conditioning(Protocol):
+    """Encoded prompts of B samples, in the family's own layout (tensors with a leading B)."""
+
+    def select(self, index: torch.Tensor) -> "Conditioning":
+        """Rows ``index`` (an int64 tensor of sample indices), e.g. to repeat a request's
+        prompt for each of its ``n`` samples."""
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """What ``pipeline.loop``, ``pipeline.runner`` and ``parallel/`` use of a model family."""
+
+    family: ClassVar[str]                   # registry name, e.g. "flux"
+    pipeline_classes: ClassVar[tuple[str, ...]]  # diffusers pipeline class names it serves
+    device: torch.device
+    dtype: torch.dtype                      # the transformers' dtype
+    dual_mode: DualMode
+    guidance_style: GuidanceMode            # the mode a guided request of this model runs
+    guidance_embeds: bool                   # takes an embedded (distilled) guidance scale
+    boundary_ratio: float | None            # boundary experts: the model's default ratio
+    max_sequence_length: int                # text tokens per prompt (L)
+
+    @classmethod
+    def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, **options) -> "ModelFamily":
+        """Load a diffusers checkpoint directory. ``options`` are family-specific (Wan:
+        ``dual_transformer``). Raises ``ValueError`` when the checkpoint does not fit."""
+
+    @property
+    def transformers(self) -> dict[str, torch.nn.Module]:
+        """The transformers a batch may run, by name: ``transformer`` and, for dual models,
+        ``transformer_2``. Cache-DiT, kernel switches, torch.compile and sequence parallelism
+        apply to each."""
+
+    @property
+    def spatial_factor(self) -> int:
+        """Width and height must be multiples of this many pixels (VAE factor × patch size)."""
+
+    @property
+    def temporal_factor(self) -> int:
+        """Video models take ``temporal_factor · k + 1`` frames; 0 for image models."""
+
+    @property
+    def num_attention_heads(self) -> int:
+        """Attention heads per layer (Ulysses splits them across ranks)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks cache-dit sees, the fewest over ``transformers`` (bounds
+        ``Fn_compute_blocks + Bn_compute_blocks``)."""
+
+    def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
+        """Tokens per sample the transformer sees: ``{"image tokens": S, "text tokens": L}``
+        for a ``width`` × ``height`` pixel sample of ``num_frames`` frames."""
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Encode B prompts (one per sample) with the family's text encoder(s), padded to L."""
+
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int],
+                        params) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Initial noise: generator ``i`` draws ``counts[i]`` samples (one generator per
+        request, as diffusers draws them), at ``params.width`` × ``params.height`` pixels and
+        ``params.num_frames`` frames. Returns ``(latents, positions)``: latents with a leading
+        B = sum(counts) in the layout ``predict`` takes, positions the family's position ids
+        (or None)."""
+
+    def scheduler_and_timesteps(self, num_inference_steps: int, params) -> tuple[Any, torch.Tensor]:
+        """A fresh scheduler for one batch of ``params``' size and its timesteps
+        ((num_inference_steps,) float32, the values the transformer is called with)."""
+
+    def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
+        """The embedded guidance input (B,) float32, or None when the model has none."""
+
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance: torch.Tensor | None,
+                positions: torch.Tensor | None, *, model: str = "transformer", branch: str = "cond") -> torch.Tensor:
+        """One call of transformer ``model`` at timestep ``t`` (0-dim): latents → its
+        prediction, same shape as ``latents``. ``branch`` names cache-dit's context
+        (``"cond"``/``"uncond"``)."""
+
+    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Final latents → float32 pixels in [0, 1]: (B, H, W, 3) for images, (B, F, H, W, 3)
+        for videos."""
+
+    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
+        """Shard every transformer's sequence across the ranks of ``mesh`` (``parallel/``)."""
+
+
+def count_blocks(transformer: torch.nn.Module) -> int:
+    """Blocks cache-dit sees in a diffusers DiT: its ``transformer_blocks``,
+    ``single_transformer_blocks`` and ``blocks`` lists together."""
+    return sum(len(getattr(transformer, name, ())) for name in ("transformer_blocks", "single_transformer_blocks",
+                                                                "blocks"))

@@ -1,0 +1,48 @@
+"""The string states of the execution core, as enums (torch-free).
+
+Each is a ``str`` enum, so it compares equal to, serialises as and prints as its value
+(``GuidanceMode.CFG == "cfg"``; ``f"{mode}"`` is ``"cfg"``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class StrEnum(str, Enum):
+    """A ``str`` enum that prints as its value on every Python version ditserve supports."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class GuidanceMode(StrEnum):
+    """How a batch makes its guiding prediction (the second forward of a step).
+
+    ``NONE``: no guiding forward. ``TRUE_CFG``: FLUX's true CFG on the negative prompt
+    (``FluxPipeline``: ``true_cfg_scale > 1`` and a negative prompt). ``CFG``: classifier-free
+    guidance on the negative prompt, default ``""`` (``WanPipeline``: ``guidance_scale > 1``).
+    ``AUTOGUIDANCE``: a second transformer guides from the prompt itself (paired models; Karras
+    et al. 2024, arXiv:2406.02507). A model family declares which of the last three it uses.
+    """
+
+    NONE = "none"
+    TRUE_CFG = "true_cfg"
+    CFG = "cfg"
+    AUTOGUIDANCE = "autoguidance"
+
+
+class DualMode(StrEnum):
+    """How a model with two transformers uses the second one.
+
+    ``SINGLE``: one transformer. ``BOUNDARY``: ``transformer`` runs the high-noise steps and
+    ``transformer_2`` the rest (Wan 2.2 A14B, diffusers' ``boundary_ratio``). ``PAIRED``: both
+    run at every step, the second making the guiding prediction.
+    """
+
+    SINGLE = "single"
+    BOUNDARY = "boundary"
+    PAIRED = "paired"

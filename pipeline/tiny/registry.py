@@ -1,0 +1,72 @@
+"""The embedded checkpoints by served model name, and how a configured model name resolves.
+
+``tiny-flux`` is trained and shipped in ``pipeline/tiny/weights`` (``python -m
+pipeline.tiny.train``); the others are random-weight models built on first use into
+``$DITSERVE_CACHE_DIR``. Each entry names its model family, so the family conformance test
+covers every registered family through its tiny models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux
+from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
+
+TINY_FLUX_RANDOM = "tiny-flux-random"
+# The trained default, shipped with the package (about 5 MB, float32).
+TRAINED_TINY_FLUX = Path(__file__).resolve().parent / "weights" / TINY_FLUX
+
+
+def trained_tiny_flux() -> Path:
+    """The shipped trained ``tiny-flux`` directory. Raises ``FileNotFoundError`` if the
+    package was installed without it (retrain with ``python -m pipeline.tiny.train``)."""
+    if not (TRAINED_TINY_FLUX / "model_index.json").exists():
+        raise FileNotFoundError(f"the trained tiny-flux is missing from {TRAINED_TINY_FLUX}; recreate it with "
+                                f"`python -m pipeline.tiny.train --out {TRAINED_TINY_FLUX}`")
+    return TRAINED_TINY_FLUX
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """An embedded checkpoint: its ``family`` (``pipeline.families.REGISTRY`` name) and
+    ``build()``, which returns its diffusers directory (building it on first use)."""
+
+    family: str
+    build: Callable[[], Path]
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    TINY_FLUX: EmbeddedModel("flux", trained_tiny_flux),
+    TINY_FLUX_RANDOM: EmbeddedModel("flux", ensure_tiny_flux),
+    "tiny-wan": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch())),
+    # Wan 2.2 A14B-style: high-/low-noise experts switched at boundary_ratio
+    "tiny-wan-moe": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(dual="boundary"))),
+    # two transformers at every step (the second one guides)
+    "tiny-wan-paired": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(dual="paired"))),
+}
+
+
+def resolve_checkpoint(name: str, path: str | None) -> Path | str:
+    """The checkpoint to load: ``path`` if given, else the embedded model of that name.
+
+    Raises ``FileNotFoundError`` for a ``path`` that is neither a local diffusers directory
+    nor (where the machine is online) a hub id, or for an unknown name without a path.
+    """
+    if path is None:
+        if name not in EMBEDDED:
+            raise FileNotFoundError(f"model {name!r} needs a checkpoint path (embedded: {', '.join(EMBEDDED)})")
+        return EMBEDDED[name].build()
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "model_index.json").exists():
+            raise FileNotFoundError(f"{local} is not a diffusers checkpoint (no model_index.json)")
+        return local
+    return path
+
+
+if __name__ == "__main__":
+    for model in EMBEDDED.values():
+        print(model.build())

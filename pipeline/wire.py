@@ -1,0 +1,193 @@
+"""What crosses a process boundary between the Ingress, the Router and the replicas (torch-free).
+
+Router → replica: a :class:`Batch` of resolved requests. Replica → Router → Ingress: one
+:class:`RequestOutput` per request. Replica → Ingress at start: :class:`ModelFacts`. What the
+client finally sees of it is :class:`GenerationMetadata` (the response's ``ditserve`` block),
+assembled in one place (:meth:`GenerationMetadata.of`). Nothing here imports torch or
+diffusers, so the processes that only route never load them (``tests/test_architecture.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, model_serializer
+
+from pipeline.contract.limits import ServingLimits, parse_size
+from pipeline.modes import DualMode, GuidanceMode
+
+if TYPE_CHECKING:  # annotations only: the request models import this module's metadata types
+    from pipeline.sampling import SamplingParams
+    from pipeline.signature import BatchSignature
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What the Router sends a replica: requests of one signature, in queue order.
+
+    ``preferred_replica``: the replica the Router meant it for (Serve's request router
+    honours it when that replica is free).
+    """
+
+    batch_id: str
+    signature: BatchSignature
+    requests: tuple[SamplingParams, ...]
+    preferred_replica: str | None = None
+
+    @property
+    def size(self) -> int:
+        """Images in the batch (a request with ``n`` counts ``n``)."""
+        return sum(p.n for p in self.requests)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the Ingress needs to validate requests without loading the model.
+
+    ``spatial_factor``: pixels per latent token side. ``num_blocks``: transformer blocks
+    cache-dit sees (bounds Fn + Bn). ``attention_rejections``: kernel name -> reasons it
+    cannot run here. ``text_tokens``: the text encoder's padded length. ``temporal_factor``:
+    0 for an image model.
+    """
+
+    family: str
+    spatial_factor: int
+    guidance_embeds: bool
+    num_blocks: int = 0
+    attention_rejections: dict = field(default_factory=dict)
+    world_size: int = 1
+    text_tokens: int = 0
+    guidance_style: GuidanceMode = GuidanceMode.TRUE_CFG
+    dual_mode: DualMode = DualMode.SINGLE
+    temporal_factor: int = 0
+    boundary_ratio: float | None = None
+
+    def limits(self, model_name: str, limits: dict) -> ServingLimits:
+        """The validation context: these facts plus the config's ``limits`` section
+        (``deployments.config.LimitsConfig`` as a dict)."""
+        width, height = parse_size(limits["default_size"])
+        return ServingLimits(
+            model_name=model_name, spatial_factor=self.spatial_factor, default_width=width, default_height=height,
+            default_steps=limits["default_steps"], default_guidance_scale=limits["default_guidance_scale"],
+            max_n=limits["max_n"], max_pixels=limits["max_pixels"], max_steps=limits["max_steps"],
+            max_prompt_chars=limits["max_prompt_chars"], guidance_embeds=self.guidance_embeds,
+            num_blocks=self.num_blocks, attention_rejections=self.attention_rejections, world_size=self.world_size,
+            guidance_style=self.guidance_style, dual_mode=self.dual_mode, temporal_factor=self.temporal_factor,
+            default_num_frames=limits["default_num_frames"], default_fps=limits["default_fps"],
+            max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio)
+
+
+class Report(BaseModel):
+    """A metadata model that also reads like the dict it replaced (``meta["seed"]``, ``**meta``),
+    so handle callers written against the untyped block keep working."""
+
+    def __getitem__(self, key: str):
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self.model_dump(exclude_none=True))
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self.keys() else default
+
+
+class TransformerCacheReport(Report):
+    """Cache-DiT on one transformer of a dual-transformer model in this batch: ``steps`` it
+    ran, of which ``cached_steps`` were served from cache."""
+
+    active: bool
+    transition: str
+    steps: int
+    cached_steps: int
+
+
+class CacheDiTReport(Report):
+    """Cache-DiT in this batch: mounted or not, the transition made at the batch boundary
+    (``none | refresh | mount | unmount | remount``), steps cached and computed by the
+    primary transformer; ``transformers`` per transformer for dual-transformer models."""
+
+    active: bool = False
+    transition: str = "none"
+    cached_steps: int = 0
+    computed_steps: int = 0
+    transformers: dict[str, TransformerCacheReport] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_single(self, handler):
+        data = handler(self)
+        if data.get("transformers") is None:
+            data.pop("transformers", None)
+        return data
+
+
+class CfgGateReport(Report):
+    """CFG gating: the request's ``cfg_gate_step`` fraction and the steps that reused the
+    last guiding delta instead of computing the guiding forward."""
+
+    gate_step: float = 1.0
+    reused_steps: int = 0
+
+
+class AccelerationReport(Report):
+    """Which accelerations ran for a batch. ``attention_backend``: the kernel name or
+    ``"default"``. ``transformer_calls``: transformer name -> forwards run."""
+
+    cache_dit: CacheDiTReport = CacheDiTReport()
+    attention_backend: str = "default"
+    cfg_gate: CfgGateReport = CfgGateReport()
+    transformer_calls: dict[str, int] = {}
+
+
+class BatchReport(Report):
+    """The batch a request ran in, as the replica saw it: its id, images, signature (as
+    text), the replica and its ranks, and whether the replica changed state for it."""
+
+    batch_id: str
+    batch_size: int
+    signature: str
+    replica: str
+    world_size: int
+    state_change: bool
+
+
+@dataclass
+class RequestOutput:
+    """One request's answer from a replica.
+
+    ``images``: encoded images (PNG), ``n`` of them; ``videos``: encoded videos (MP4).
+    ``timings_ms``: ``denoise`` and ``decode`` (the replica's, ms); the Router adds ``queue``.
+    ``batch``: filled in by the replica.
+    """
+
+    request_id: str
+    seed: int
+    images: list[bytes]
+    timings_ms: dict[str, float]
+    acceleration: AccelerationReport
+    videos: list[bytes] = field(default_factory=list)
+    batch: BatchReport | None = None
+
+
+class GenerationMetadata(BatchReport):
+    """The ``ditserve`` block of a response (images) or of a completed video job: the request,
+    its batch (:class:`BatchReport`), seed, timings and accelerations.
+
+    ``timings_ms``: ``queue`` (waiting in the Router), ``denoise``, ``decode`` (decode and
+    encoding) and ``total`` (as the Ingress measured it), milliseconds.
+    """
+
+    request_id: str
+    seed: int
+    timings_ms: dict[str, float]
+    acceleration: AccelerationReport
+
+    @classmethod
+    def of(cls, out: RequestOutput, total_ms: float | None = None) -> "GenerationMetadata":
+        timings = {k: round(v, 3) for k, v in out.timings_ms.items()}
+        if total_ms is not None:
+            timings["total"] = round(total_ms, 3)
+        return cls(**dict(out.batch), request_id=out.request_id, seed=out.seed, timings_ms=timings,
+                   acceleration=out.acceleration)

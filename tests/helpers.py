@@ -1,0 +1,79 @@
+"""Helpers the tests share (test files never import from each other)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.videos import VideoGenerationRequest
+from pipeline.modes import GuidanceMode
+from pipeline.sampling import SamplingParams, resolve_video
+from pipeline.signature import BatchSignature
+from pipeline.wire import Batch
+
+# The app most HTTP tests share: tiny-flux, one replica with 2 torch threads.
+TINY_ARGS = {"replica": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 2}, "torch_threads": 2}}
+
+
+def flux_params(prompt, seed, *, negative=None, true_cfg_scale=1.0, n=1, steps=6, size=(64, 48), guidance=3.5,
+                **fields) -> SamplingParams:
+    """A resolved tiny-flux request with diffusers' true-CFG rule (CFG when the scale is > 1 and
+    a negative prompt is given); ``fields`` override any other SamplingParams field."""
+    guided = true_cfg_scale > 1 and negative is not None
+    return SamplingParams(
+        request_id=f"r{seed}", model="tiny-flux", prompt=prompt, negative_prompt=negative if guided else None, n=n,
+        width=size[0], height=size[1], num_frames=1, num_inference_steps=steps,
+        guidance_mode=GuidanceMode.TRUE_CFG if guided else GuidanceMode.NONE,
+        cfg_scale=true_cfg_scale if guided else 1.0, embedded_guidance_scale=guidance, seed=seed,
+        enable_cache_dit=False, cache_dit_params=None, cfg_gate_fraction=1.0, attention_backend=None,
+        response_format="b64_json", **fields)
+
+
+def wan_limits(family, name: str = "tiny-wan") -> ServingLimits:
+    """Limits of a tiny Wan family: 64x48, 6 steps, guidance 5.0, 9 frames by default."""
+    return ServingLimits(name, family.spatial_factor, 64, 48, 6, 5.0, guidance_embeds=False,
+                         guidance_style=family.guidance_style, dual_mode=family.dual_mode,
+                         temporal_factor=family.temporal_factor, default_num_frames=9, max_frames=33,
+                         default_boundary_ratio=family.boundary_ratio)
+
+
+def video_params(family, prompt, seed, **fields) -> SamplingParams:
+    """A validated, resolved video request body on a tiny Wan family."""
+    limits = wan_limits(family)
+    request = VideoGenerationRequest.model_validate({"prompt": prompt, "seed": seed, **fields},
+                                                    context={"limits": limits})
+    return resolve_video(request, limits, request_id=f"v{seed}")
+
+
+def batch_of(*params: SamplingParams, batch_id: str = "b") -> Batch:
+    return Batch(batch_id, BatchSignature.of(params[0]), tuple(params))
+
+
+def pixels(png: bytes | str) -> np.ndarray:
+    """A PNG (bytes or base64 text) as an (H, W, 3) int16 array, for differences."""
+    data = base64.b64decode(png) if isinstance(png, str) else png
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+
+
+def post(url: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=timeout)
+
+
+def router_stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` every 50 ms; raise ``AssertionError`` if it is not true within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")

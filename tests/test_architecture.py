@@ -1,0 +1,84 @@
+"""The layering the design promises, checked on the source: who may import whom, and which
+processes never load torch."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports (at any depth of the file)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("module", ["deployments.ingress", "deployments.router"])
+def test_routing_processes_never_import_torch(module):
+    """The Ingress and the Router only route: importing them (and so their Serve replicas) loads
+    neither torch nor diffusers."""
+    code = (f"import sys, {module}; loaded = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules];"
+            " print(','.join(loaded))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", f"{module} loads {out.stdout.strip()}"
+
+
+def test_wire_and_contract_modules_are_torch_free():
+    for path in [ROOT / "pipeline" / name for name in ("wire.py", "modes.py", "sampling.py", "signature.py",
+                                                      "state.py", "cache_dit_params.py", "errors.py")] + \
+            _sources("pipeline/contract") + [ROOT / "parallel" / "kernels.py"]:
+        assert not {m for m in _imports(path) if m.split(".")[0] in ("torch", "diffusers")}, path
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("pipeline", {"deployments", "ray"}),          # the numerical core never imports the Serve layer or Ray
+    ("parallel", {"deployments", "pipeline", "ray"}),
+    ("compat", {"deployments", "pipeline", "parallel"}),
+])
+def test_layers_import_only_downwards(package, forbidden):
+    for path in _sources(package):
+        if package == "compat" and path.name == "ray_serve.py":
+            continue
+        bad = {m for m in _imports(path) if m.split(".")[0] in forbidden}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_ray_serve_compat_is_only_for_the_serve_layer():
+    for package in ("pipeline", "parallel"):
+        for path in _sources(package):
+            assert "compat.ray_serve" not in _imports(path), path
+
+
+def test_private_apis_go_through_compat():
+    """No module outside ``compat/`` names the private attributes compat wraps."""
+    private = ("_cp_plan", "_attention_backend", "_AttentionBackendRegistry", "_check_attention_backend_requirements",
+               "_cached_context_manager", "_context_manager", "_replicas_list", "_deployment_id",
+               "_get_global_client", "_pack_latents", "_unpack_latents", "_prepare_latent_image_ids",
+               "_get_t5_prompt_embeds", "_get_qkv_projections", "_modeling_parallel")
+    used = re.compile(r"(?<![\w])(" + "|".join(private) + r")\b")  # the bare private name, not a wrapper's
+    for package in ("pipeline", "parallel", "deployments", "bench", "tests", "examples"):
+        for path in _sources(package):
+            if path.name == "test_architecture.py":
+                continue
+            text = "\n".join(line for line in path.read_text().splitlines()
+                             if not line.lstrip().startswith(("#", "``")))  # prose may name them
+            code = re.sub(r'"""(.|\n)*?"""', "", text)  # docstrings too
+            found = sorted(set(used.findall(code)))
+            assert not found, f"{path.relative_to(ROOT)} uses {found} (go through compat/)"

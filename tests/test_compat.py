@@ -1,0 +1,61 @@
+"""The private APIs ditserve relies on still exist in the installed dependencies (``compat/``).
+
+An upgrade that removes one fails here, naming what is missing and the tested range, rather
+than deep inside a batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compat import Reliance, missing
+from compat import cache_dit as cache_dit_compat
+from compat import diffusers as diffusers_compat
+from compat import ray_serve as ray_serve_compat
+from compat import yunchang as yunchang_compat
+
+
+@pytest.mark.parametrize("module", [diffusers_compat, cache_dit_compat, yunchang_compat, ray_serve_compat],
+                         ids=lambda m: m.DISTRIBUTION)
+def test_every_reliance_is_present(module):
+    problems = module.check()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_missing_reliance_is_named_with_the_tested_range():
+    (message,) = missing("diffusers", ">=0.42,<0.43", (Reliance("diffusers", "NoSuchPipeline._helper", "a test"),))
+    assert "lacks diffusers.NoSuchPipeline._helper (a test)" in message and "diffusers>=0.42,<0.43" in message
+
+
+def test_diffusers_accessors_on_the_tiny_models():
+    from pipeline.families import load_family
+    from pipeline.tiny.registry import EMBEDDED
+
+    for name in ("tiny-flux-random", "tiny-wan"):
+        model = EMBEDDED[name]
+        family = load_family(model.family, model.build(), torch_dtype=torch.float32, device="cpu")
+        assert diffusers_compat.cp_plan(family.transformers["transformer"])  # splittable by diffusers' hooks
+    assert diffusers_compat.backend_problem("native") is None
+    assert diffusers_compat.backend_problem("_native_math") is None
+    assert diffusers_compat.context_parallel_config(1, 2).ulysses_degree == 2
+
+
+def test_cache_dit_accessors_on_a_mounted_transformer():
+    from pipeline.cache_dit_actions import CacheDiTExecutor
+    from pipeline.cache_dit_params import CacheDiTParams
+    from pipeline.families import load_family
+    from pipeline.state import CacheKey
+    from pipeline.tiny.registry import EMBEDDED
+
+    model = EMBEDDED["tiny-flux-random"]
+    transformer = load_family("flux", model.build(), torch_dtype=torch.float32, device="cpu").transformer
+    executor = CacheDiTExecutor(transformer)
+    assert not cache_dit_compat.is_mounted(transformer) and cache_dit_compat.contexts(transformer) == []
+    executor.mount(CacheKey(CacheDiTParams(), True), 4, [0, 1, 2, 3])
+    contexts = cache_dit_compat.contexts(transformer)
+    assert cache_dit_compat.is_mounted(transformer) and contexts
+    assert contexts[0].cache_config.num_inference_steps == 4
+    cache_dit_compat.advance_one_call(transformer)
+    executor.unmount()
+    assert not cache_dit_compat.is_mounted(transformer)

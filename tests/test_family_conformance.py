@@ -1,0 +1,99 @@
+"""Every registered model family, through every one of its embedded tiny models, satisfies the
+``ModelFamily`` interface: each member's shapes on a batch of two, then one real step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.families import REGISTRY, load_family
+from pipeline.families.base import Conditioning, ModelFamily
+from pipeline.loop import denoise_batch, plan_batch
+from pipeline.modes import DualMode, GuidanceMode
+from pipeline.tiny.registry import EMBEDDED
+from tests.helpers import flux_params, video_params
+
+MODELS = sorted(EMBEDDED)
+
+
+def test_every_registered_family_has_a_tiny_model():
+    assert set(REGISTRY) == {model.family for model in EMBEDDED.values()}
+
+
+def _params(family, name: str, seed: int, **fields):
+    if family.temporal_factor:
+        return video_params(family, f"a red circle {seed}", seed, num_frames=5, size="32x32",
+                            num_inference_steps=2, **fields)
+    return flux_params(f"a red circle {seed}", seed, size=(32, 32), steps=2, **fields)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def family(request):
+    model = EMBEDDED[request.param]
+    return load_family(model.family, model.build(), torch_dtype=torch.float32, device="cpu")
+
+
+def test_members_and_shapes_on_a_batch_of_two(family):
+    assert isinstance(family, ModelFamily)  # every member of the Protocol is present
+    assert family.family in REGISTRY and family.pipeline_classes
+    assert isinstance(family.dual_mode, DualMode) and isinstance(family.guidance_style, GuidanceMode)
+    assert family.guidance_style != GuidanceMode.NONE
+    names = list(family.transformers)
+    assert names == (["transformer"] if family.dual_mode == DualMode.SINGLE else ["transformer", "transformer_2"])
+    assert all(isinstance(m, torch.nn.Module) for m in family.transformers.values())
+    assert family.spatial_factor > 0 and family.temporal_factor >= 0 and family.num_blocks > 0
+    assert family.num_attention_heads > 0 and family.max_sequence_length > 0
+    assert (family.boundary_ratio is not None) == (family.dual_mode == DualMode.BOUNDARY)
+
+    p = _params(family, "", 1)
+    lengths = family.sequence_lengths(p.width, p.height, p.num_frames)
+    assert lengths["text tokens"] == family.max_sequence_length and lengths["image tokens"] > 0
+
+    cond = family.encode_prompts(["a red circle", "a much longer prompt about a blue square at night"])
+    assert isinstance(cond, Conditioning)
+    again = cond.select(torch.tensor([1, 0, 0]))  # rows repeat per sample
+    leading = {t.shape[0] for t in vars(again).values() if isinstance(t, torch.Tensor) and t.dim() >= 2
+               and t.shape[0] != family.max_sequence_length}
+    assert leading == {3}
+
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    latents, positions = family.prepare_latents(generators, [1, 1], p)
+    assert latents.shape[0] == 2 and latents.is_floating_point()
+    if family.temporal_factor:  # (B, C, latent frames, h, w)
+        latent_frames = (p.num_frames - 1) // family.temporal_factor + 1
+        assert latents.dim() == 5 and latents.shape[2] == latent_frames
+        f = family.spatial_factor
+        assert lengths["image tokens"] == latent_frames * (p.height // f) * (p.width // f)
+    else:  # packed (B, S, 4·C)
+        assert latents.shape[1] == lengths["image tokens"] and positions.shape == (latents.shape[1], 3)
+
+    scheduler, timesteps = family.scheduler_and_timesteps(p.num_inference_steps, p)
+    assert len(timesteps) == p.num_inference_steps and hasattr(scheduler, "step")
+    guidance = family.guidance(p.embedded_guidance_scale, 2)
+    assert guidance is None or guidance.shape == (2,)
+    for name in names:
+        out = family.predict(latents, timesteps[0], family.encode_prompts(["a", "b"]), guidance, positions,
+                             model=name)
+        assert out.shape == latents.shape
+
+    pixels = family.decode(latents, p)
+    frames = (p.num_frames,) if family.temporal_factor else ()
+    assert pixels.shape == (2, *frames, p.height, p.width, 3) and pixels.dtype == np.float32
+    assert 0.0 <= pixels.min() and pixels.max() <= 1.0
+
+
+def test_one_guided_step_through_our_loop(family):
+    fields = {} if family.temporal_factor else {"negative": "blurry", "true_cfg_scale": 2.0}
+    if family.temporal_factor:
+        fields = {"guidance_scale": 3.0}
+    p = _params(family, "", 3, **fields)
+    p = p.__class__(**{**p.__dict__, "num_inference_steps": 1})
+    assert p.guided
+    schedule = plan_batch(family, p)
+    assert len(schedule.plan) == 1 and schedule.run_steps == {schedule.plan[0].model: [0], **(
+        {schedule.plan[0].guide: [0]} if schedule.plan[0].guide else {})}
+    out = denoise_batch(family, [p], schedule)
+    assert out.steps == 1 and sum(out.calls.values()) == 2  # the conditional and the guiding forward
+    frames = (p.num_frames,) if family.temporal_factor else ()
+    assert out.images[0].shape == (1, *frames, p.height, p.width, 3)
