@@ -31,7 +31,12 @@ class ModelConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    """Request defaults and limits (pixels, steps, images per request, prompt characters)."""
+    """Request defaults and limits (pixels, steps, images per request, prompt characters).
+
+    ``max_timeout_s``: the longest ``timeout_s`` a request may give (seconds).
+    ``max_body_bytes``: the largest request body (uploads included; 413 beyond it, before
+    parsing); ``max_json_body_bytes``: the largest JSON body (no JSON request carries uploads).
+    """
 
     default_size: str = "64x64"
     default_steps: int = Field(default=16, ge=1)
@@ -45,6 +50,9 @@ class LimitsConfig(_Strict):
     default_num_frames: int = Field(default=9, ge=1)
     default_fps: int = Field(default=8, ge=1, le=120)
     max_frames: int = Field(default=33, ge=1)
+    max_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_json_body_bytes: int = Field(default=1024 * 1024, ge=1024)
 
     @field_validator("default_size")
     @classmethod
@@ -213,6 +221,19 @@ class ParallelSettings(_Strict):
         return self.ulysses_degree * self.ring_degree
 
 
+class AuthConfig(_Strict):
+    """Optional API keys for the HTTP API (OpenAI's ``Authorization: Bearer <key>``).
+
+    ``api_keys_env``: an environment variable of the Ingress process holding the keys (one per
+    line or comma-separated; on KubeRay, filled from a Kubernetes Secret). ``api_keys_file``: a
+    file of keys. Neither: no authentication. ``/health`` stays open; handle calls from Ray
+    jobs of the same cluster are not checked (the cluster is the trust boundary).
+    """
+
+    api_keys_env: str | None = None
+    api_keys_file: str | None = None
+
+
 class AppConfig(_Strict):
     """Everything ``build_app`` needs; unknown keys are errors so a typo never passes."""
 
@@ -223,3 +244,4 @@ class AppConfig(_Strict):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     videos: VideoJobsConfig = Field(default_factory=VideoJobsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)

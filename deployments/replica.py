@@ -65,6 +65,7 @@ class DiTReplica:
         self._runner = make_runner(model, acceleration)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._parallel = ParallelConfig(**(parallel or {}))
+        self._max_steps = int((limits or {}).get("max_steps", 100))
         self._ranks = None
         self._broken: str | None = None
         if self._parallel.world_size > 1:
@@ -81,7 +82,7 @@ class DiTReplica:
         self._state_changes = 0
 
     def facts(self) -> ModelFacts:
-        return self._runner.facts(ring_degree=self._parallel.ring_degree)
+        return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)
 
     def check_health(self) -> None:
         """Fails (so Serve replaces the whole replica) if a rank died or a batch broke the group."""

@@ -255,7 +255,12 @@ class Router:
                                    f"for {len(pending)} requests")
             for p, out in zip(pending, outputs, strict=True):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
-                if not p.future.done():
+                if p.future.done():
+                    continue
+                if out.error is not None:  # this request alone failed inside the batch
+                    self._reject("failed_in_batch")
+                    p.future.set_exception(out.error)
+                else:
                     p.future.set_result(out)
             self._counters["batches"] += 1
             self._counters["requests"] += len(pending)

@@ -57,6 +57,27 @@ def build_cache_config(params: CacheDiTParams, num_inference_steps: int, separat
     return DBCacheConfig(**config), calibrator
 
 
+def preset_step_counts(max_steps: int) -> dict[str, tuple[int, ...]]:
+    """Per SCM preset, the step counts in ``1..max_steps`` for which cache-dit's own mask
+    builder (``steps_mask``) and config accept the preset's mask: the table requests are
+    validated against before queueing (cache-dit's presets need 4, 6 or >= 8 steps today)."""
+    import cache_dit
+    from cache_dit import DBCacheConfig
+
+    table = {}
+    for preset in ("slow", "medium", "fast", "ultra"):
+        valid = []
+        for steps in range(1, max_steps + 1):
+            try:
+                mask = cache_dit.steps_mask(total_steps=steps, mask_policy=preset)
+                DBCacheConfig(num_inference_steps=steps, steps_computation_mask=mask)
+            except Exception:  # cache-dit asserts on counts its masks cannot serve
+                continue
+            valid.append(steps)
+        table[preset] = tuple(valid)
+    return table
+
+
 # Transformer classes cache-dit has no adapter for: blocks attributes and forward patterns.
 # Keyed by class name; cache-dit's own registry wins for classes it knows.
 BLOCK_REGISTRY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}

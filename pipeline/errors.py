@@ -44,6 +44,27 @@ class InvalidRequestError(DitServeError):
     error_type = "invalid_request_error"
 
 
+class AuthenticationError(DitServeError):
+    """401: the API key is missing or not one of the configured keys."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(DitServeError):
+    """413: the request body is larger than ``limits.max_body_bytes`` (``max_json_body_bytes`` for JSON)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class UnsupportedMediaTypeError(DitServeError):
+    """415: the body's ``Content-Type`` is not one the route accepts."""
+
+    status_code = 415
+    error_type = "invalid_request_error"
+
+
 class ModelNotFoundError(DitServeError):
     """404: the ``model`` field names a model this deployment does not serve."""
 

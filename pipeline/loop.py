@@ -43,15 +43,18 @@ PRIMARY, SECONDARY = "transformer", "transformer_2"
 @dataclass
 class LoopOutput:
     """images: one float32 array in [0, 1] per request, in batch order: (n, H, W, 3) for
-    images, (n, F, H, W, 3) for videos (empty on sequence-parallel ranks other than 0).
-    ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``: transformer name -> forwards run."""
+    images, (n, F, H, W, 3) for videos (empty on sequence-parallel ranks other than 0; None
+    for a request in ``failures``). ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``:
+    transformer name -> forwards run. ``failures``: batch index -> (request field, exception)
+    of the requests taken out of the batch because their own input failed."""
 
-    images: list[np.ndarray]
+    images: list[np.ndarray | None]
     denoise_ms: float
     decode_ms: float
     steps: int
     cfg_reused_steps: int = 0
     calls: dict | None = None
+    failures: dict[int, tuple[str, Exception]] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,52 @@ def check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
     return batch[0]
 
 
+def encode_isolating(family, texts: list[str]):
+    """Encode ``texts`` in one call; if that fails, encode each alone to find the ones that fail.
+
+    Returns ``(conditioning, {})`` or, when some texts fail on their own, ``(None, {index:
+    exception})``. Re-raises the batch's error if every text encodes alone (not attributable).
+    """
+    try:
+        return family.encode_prompts(texts), {}
+    except Exception:
+        failures = {}
+        for i, text in enumerate(texts):
+            try:
+                family.encode_prompts([text])
+            except Exception as exc:
+                failures[i] = exc
+        if not failures:
+            raise
+        return None, failures
+
+
+def _conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
+    """Encoded prompts (and negative prompts when a step guides on them) of ``batch``, one row
+    per sample, with the requests whose own text failed to encode isolated.
+
+    Returns ``(kept batch indices, cond, uncond or None, failures)``; ``failures``: index ->
+    (field, exception). Encoding is deterministic, so every rank isolates the same requests.
+    """
+    negative = any(s.guide is not None and s.guide_prompt == "negative" for s in plan)
+    failures: dict[int, tuple[str, Exception]] = {}
+    cond, bad = encode_isolating(family, [p.prompt for p in batch])
+    failures.update({i: ("prompt", e) for i, e in bad.items()})
+    uncond = None
+    if negative:
+        uncond, bad = encode_isolating(family, [p.negative_prompt or "" for p in batch])
+        failures.update({i: ("negative_prompt", e) for i, e in bad.items() if i not in failures})
+    keep = [i for i in range(len(batch)) if i not in failures]
+    if not keep:
+        return keep, None, None, failures
+    kept = [batch[i] for i in keep]
+    index = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor([p.n for p in kept]))
+    if failures:  # encode the survivors again, without the failed texts
+        cond = family.encode_prompts([p.prompt for p in kept])
+        uncond = family.encode_prompts([p.negative_prompt or "" for p in kept]) if negative else None
+    return keep, cond.select(index), None if uncond is None else uncond.select(index), failures
+
+
 @torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True) -> LoopOutput:
@@ -173,21 +222,20 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     called after each denoising step, ``on_guide_skipped(name)`` each time CFG gating skips a
     guiding forward of transformer ``name``. ``decode=False`` (sequence-parallel ranks other
     than 0) stops after denoising and returns no images. Raises ``ValueError`` if the batch is
-    empty or mixes signatures.
+    empty or mixes signatures. A request whose own text fails to encode is left out (see
+    ``LoopOutput.failures``); the others run exactly as they would without it.
     """
     head = check_homogeneous(batch)
     t0 = time.perf_counter()
     schedule = schedule or plan_batch(family, head)
-    counts = [p.n for p in batch]
-    index = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
-
-    generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in batch]
-    latents, positions = family.prepare_latents(generators, counts, head)
     plan, scheduler, gate_at = schedule.plan, schedule.scheduler, schedule.gate_at
-    cond = family.encode_prompts([p.prompt for p in batch]).select(index)
-    uncond = None
-    if any(s.guide is not None and s.guide_prompt == "negative" for s in plan):
-        uncond = family.encode_prompts([p.negative_prompt or "" for p in batch]).select(index)
+    keep, cond, uncond, failures = _conditioning(family, batch, plan)
+    if not keep:
+        return LoopOutput([None] * len(batch), (time.perf_counter() - t0) * 1e3, 0.0, 0, failures=failures)
+    kept = [batch[i] for i in keep]
+    counts = [p.n for p in kept]
+    generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in kept]
+    latents, positions = family.prepare_latents(generators, counts, head)
     guidance = family.guidance(head.embedded_guidance_scale, latents.shape[0])
 
     num_steps = len(schedule.timesteps)
@@ -212,11 +260,13 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             on_step(i + 1, num_steps)
     t1 = time.perf_counter()
     if not decode:
-        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls)
+        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls, failures or None)
     images = family.decode(latents, head)
     t2 = time.perf_counter()
     splits = np.cumsum([0, *counts])
+    per_request: list[np.ndarray | None] = [None] * len(batch)
+    for i, a, b in zip(keep, splits[:-1], splits[1:], strict=True):
+        per_request[i] = images[a:b]
     return LoopOutput(
-        images=[images[a:b] for a, b in zip(splits[:-1], splits[1:], strict=True)],
-        denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps, cfg_reused_steps=reused,
-        calls=calls)
+        images=per_request, denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps,
+        cfg_reused_steps=reused, calls=calls, failures=failures or None)

@@ -15,7 +15,8 @@ from collections import deque
 import torch
 
 from pipeline.attention import AttentionSwitch, replica_kernel_rejections
-from pipeline.cache_dit_actions import CacheDiTExecutor
+from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
+from pipeline.errors import InvalidRequestError
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.loop import BatchSchedule, LoopOutput, denoise_batch, plan_batch
@@ -72,8 +73,9 @@ class BatchRunner:
             self._execute("startup", Action(ActionKind.SWITCH_KERNEL, attention_backend), None, None)
 
     # -- what the Ingress and the Router see -------------------------------------------------
-    def facts(self, ring_degree: int = 1) -> ModelFacts:
-        """The model's facts for request validation (``pipeline.wire.ModelFacts``)."""
+    def facts(self, ring_degree: int = 1, max_steps: int = 100) -> ModelFacts:
+        """The model's facts for request validation (``pipeline.wire.ModelFacts``); SCM preset
+        step counts are tabled up to ``max_steps``."""
         device, dtype = torch.device(self.family.device), self.family.dtype
         rejections = {name: replica_kernel_rejections(name, device=device, dtype=dtype,
                                                       torch_compile=self.torch_compile,
@@ -85,7 +87,8 @@ class BatchRunner:
             attention_rejections={k: v for k, v in rejections.items() if v}, world_size=self.world_size,
             text_tokens=self.family.max_sequence_length, guidance_style=self.family.guidance_style,
             dual_mode=self.family.dual_mode, temporal_factor=self.family.temporal_factor,
-            boundary_ratio=self.family.boundary_ratio)
+            boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
+            scm_preset_steps=preset_step_counts(max_steps))
 
     def counters(self) -> dict:
         total = {"compiles": self.compiles, "attention_switches": self.attention.switches}
@@ -199,13 +202,25 @@ class BatchRunner:
             return []
         t0 = time.perf_counter()
         video = head.num_frames > 1 or self.family.temporal_factor > 0
-        media = [[encode_mp4(v, head.fps) if video else encode_png(v) for v in samples] for samples in out.images]
+        media = [None if samples is None else [encode_mp4(v, head.fps) if video else encode_png(v) for v in samples]
+                 for samples in out.images]
         encode_ms = (time.perf_counter() - t0) * 1e3
         acceleration = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
-        return [RequestOutput(p.request_id, p.seed, [] if video else items, dict(timings), acceleration,
-                              videos=items if video else [])
-                for p, items in zip(batch.requests, media, strict=True)]
+        failures = out.failures or {}
+        outputs = []
+        for i, (p, items) in enumerate(zip(batch.requests, media, strict=True)):
+            if i in failures:
+                field, exc = failures[i]
+                error = InvalidRequestError(
+                    f"{field} of request {p.request_id} could not be encoded by the model's tokenizer "
+                    f"({type(exc).__name__}); the other requests of its batch ran", param=field,
+                    code="unprocessable_text", request_id=p.request_id)
+                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
+            else:
+                outputs.append(RequestOutput(p.request_id, p.seed, [] if video else items, dict(timings), acceleration,
+                                             videos=items if video else []))
+        return outputs
 
     def _report(self, head: SamplingParams, out: LoopOutput) -> AccelerationReport:
         cached = {name: executor.cached_steps() for name, executor in self.cache.items()}

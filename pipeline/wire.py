@@ -18,6 +18,7 @@ from pipeline.contract.limits import ServingLimits, parse_size
 from pipeline.modes import DualMode, GuidanceMode
 
 if TYPE_CHECKING:  # annotations only: the request models import this module's metadata types
+    from pipeline.errors import DitServeError
     from pipeline.sampling import SamplingParams
     from pipeline.signature import BatchSignature
 
@@ -48,7 +49,8 @@ class ModelFacts:
     ``spatial_factor``: pixels per latent token side. ``num_blocks``: transformer blocks
     cache-dit sees (bounds Fn + Bn). ``attention_rejections``: kernel name -> reasons it
     cannot run here. ``text_tokens``: the text encoder's padded length. ``temporal_factor``:
-    0 for an image model.
+    0 for an image model. ``special_tokens``: the tokenizers' special strings.
+    ``scm_preset_steps``: preset -> step counts cache-dit's mask builder accepts.
     """
 
     family: str
@@ -62,6 +64,8 @@ class ModelFacts:
     dual_mode: DualMode = DualMode.SINGLE
     temporal_factor: int = 0
     boundary_ratio: float | None = None
+    special_tokens: tuple[str, ...] = ()
+    scm_preset_steps: dict = field(default_factory=dict)
 
     def limits(self, model_name: str, limits: dict) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -75,7 +79,9 @@ class ModelFacts:
             num_blocks=self.num_blocks, attention_rejections=self.attention_rejections, world_size=self.world_size,
             guidance_style=self.guidance_style, dual_mode=self.dual_mode, temporal_factor=self.temporal_factor,
             default_num_frames=limits["default_num_frames"], default_fps=limits["default_fps"],
-            max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio)
+            max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio,
+            special_tokens=self.special_tokens, scm_preset_steps=self.scm_preset_steps,
+            max_timeout_s=limits.get("max_timeout_s", 3600.0))
 
 
 class Report(BaseModel):
@@ -159,7 +165,8 @@ class RequestOutput:
 
     ``images``: encoded images (PNG), ``n`` of them; ``videos``: encoded videos (MP4).
     ``timings_ms``: ``denoise`` and ``decode`` (the replica's, ms); the Router adds ``queue``.
-    ``batch``: filled in by the replica.
+    ``batch``: filled in by the replica. ``error``: set (and no media) when this request alone
+    failed inside its batch, e.g. text its tokenizer could not take; the others ran.
     """
 
     request_id: str
@@ -169,6 +176,7 @@ class RequestOutput:
     acceleration: AccelerationReport
     videos: list[bytes] = field(default_factory=list)
     batch: BatchReport | None = None
+    error: "DitServeError | None" = None
 
 
 class GenerationMetadata(BatchReport):

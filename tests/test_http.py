@@ -115,8 +115,11 @@ def test_non_finite_guidance_and_malformed_json(url):
     r = httpx.post(f"{url}/v1/images/generations", content=b'{"prompt": "a", "guidance_scale": NaN}',
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "guidance_scale"
-    r = httpx.post(f"{url}/v1/images/generations", content=b"{not json", timeout=60)
+    r = httpx.post(f"{url}/v1/images/generations", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/images/generations", content=b"{not json", timeout=60)  # no Content-Type
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
 
 
 def test_openai_client_sees_typed_errors_and_server_keeps_serving(client):

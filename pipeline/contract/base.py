@@ -16,9 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.limits import ServingLimits, parse_size
+from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size
+from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
 from pipeline.modes import DualMode, GuidanceMode
+
+MAX_BODY_DEPTH = 6        # the deepest legitimate body: cache_dit_params.secondary.<knob> (3 levels)
+MAX_ERRORS_LISTED = 8     # problems listed in one message, then "and N more"
+MAX_SHORT_TEXT = 256      # ``user``, ``model`` and other short strings
 
 
 def limits_of(info: ValidationInfo) -> ServingLimits | None:
@@ -32,15 +37,45 @@ def non_negative(v: float | None, info: ValidationInfo) -> float | None:
     return v
 
 
+def guidance_scale(v: float | None, info: ValidationInfo) -> float | None:
+    """A guidance scale: finite, in [0, MAX_GUIDANCE_SCALE]."""
+    non_negative(v, info)
+    if v is not None and v > MAX_GUIDANCE_SCALE:
+        raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v:g}")
+    return v
+
+
+def _ranges(values) -> str:
+    """Sorted step counts as short text: ``4, 6 or 8..100``."""
+    values, parts, start = sorted(values), [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}, {v}" if v == start + 1 else f"{start}..{v}")
+            start = None
+    return ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + parts[-1] if parts else "none"
+
+
+def _tokenizable(field: str, value: str, limits: ServingLimits | None) -> str:
+    """``value`` if it is text the tokenizers take (bounded length first, then ``text_problem``)."""
+    if limits and len(value) > limits.max_prompt_chars:
+        raise ValueError(f"{field} has {len(value)} characters; at most {limits.max_prompt_chars} are allowed")
+    problem = text_problem(field, value, limits.special_tokens if limits else ())
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 class GenerationRequest(BaseModel):
     """Fields and checks shared by image and video requests (see ``images`` and ``videos``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     prompt: str
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
     size: str | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = Field(default=None, allow_inf_nan=False)
@@ -68,17 +103,14 @@ class GenerationRequest(BaseModel):
     def _prompt(cls, v: str, info: ValidationInfo) -> str:
         if not v.strip():
             raise ValueError("prompt must not be empty")
-        limits = limits_of(info)
-        if limits and len(v) > limits.max_prompt_chars:
-            raise ValueError(f"prompt has {len(v)} characters; at most {limits.max_prompt_chars} are allowed")
-        return v
+        return _tokenizable("prompt", v, limits_of(info))
 
     @field_validator("negative_prompt")
     @classmethod
     def _negative_prompt(cls, v: str | None, info: ValidationInfo) -> str | None:
         limits = limits_of(info)
-        if v is not None and limits and len(v) > limits.max_prompt_chars:
-            raise ValueError(f"negative_prompt has {len(v)} characters; at most {limits.max_prompt_chars} are allowed")
+        if v is not None:
+            _tokenizable("negative_prompt", v, limits)
         if v is not None and limits and limits.guidance_style == GuidanceMode.AUTOGUIDANCE:
             raise ValueError("negative_prompt is not used by this paired-transformer model (its second "
                              "transformer guides from the prompt itself); leave it out")
@@ -112,7 +144,15 @@ class GenerationRequest(BaseModel):
     @field_validator("guidance_scale")
     @classmethod
     def _scale(cls, v: float | None, info: ValidationInfo) -> float | None:
-        return non_negative(v, info)
+        return guidance_scale(v, info)
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limits = limits_of(info)
+        if v is not None and limits and v > limits.max_timeout_s:
+            raise ValueError(f"timeout_s must be at most {limits.max_timeout_s:g} seconds, got {v:g}")
+        return v
 
     @field_validator("cfg_gate_step")
     @classmethod
@@ -125,7 +165,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _attention_backend_override(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and v not in kernel_names():
-            raise ValueError(f"attention_backend_override must be one of {', '.join(kernel_names())}, got {v!r}")
+            raise ValueError(f"attention_backend_override must be one of {', '.join(kernel_names())}, got {shown(v)}")
         limits = limits_of(info)
         if v is not None and limits and limits.attention_rejections.get(v):
             raise ValueError(f"attention_backend_override {v!r} cannot run on this deployment: "
@@ -152,12 +192,26 @@ class GenerationRequest(BaseModel):
                 if used > limits.num_blocks and (name == "transformer" or params.secondary is not None):
                     problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
                                     f"model's {limits.num_blocks} transformer blocks")
+        steps = info.data.get("num_inference_steps") or limits.default_steps
+        for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
+            for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
+                value = getattr(knobs, knob, None) if knobs is not None else None
+                if value is not None and value > steps:
+                    problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
         if params.scm_compute_bins is not None:
-            steps = info.data.get("num_inference_steps") or limits.default_steps
+            for name in ("scm_compute_bins", "scm_cache_bins"):
+                if len(getattr(params, name)) > steps:
+                    problems.append(f"cache_dit_params.{name} has {len(getattr(params, name))} bins; at most "
+                                    f"num_inference_steps ({steps})")
             covered = sum(params.scm_compute_bins) + sum(params.scm_cache_bins)
             if covered < steps:
                 problems.append(f"cache_dit_params: scm_compute_bins + scm_cache_bins cover {covered} steps, "
                                 f"fewer than num_inference_steps={steps}")
+        preset = params.scm_preset
+        valid = limits.scm_preset_steps.get(preset) if preset not in (None, "none") else None
+        if valid is not None and steps not in valid:
+            problems.append(f"cache_dit_params.scm_preset {preset!r} needs num_inference_steps in "
+                            f"{_ranges(valid)} (cache-dit's masks), got {steps}")
         if problems:
             raise ValueError("; ".join(problems))
         return params
@@ -206,24 +260,57 @@ def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
     return top, f"{path}: {message}"
 
 
+def check_shape(body: dict, limits: ServingLimits) -> None:
+    """Refuse, cheaply and before any per-field validation, a body no legitimate request has:
+    objects nested deeper than ``MAX_BODY_DEPTH``, more values than a request can use (a few
+    dozen fields and two lists of at most ``max_steps`` bins), strings longer than
+    ``max_prompt_chars``. Bounds the work validation does and the errors it can produce.
+    Raises ``InvalidRequestError`` naming the top-level field."""
+    max_values = 64 + 4 * limits.max_steps
+    max_string = max(limits.max_prompt_chars, MAX_SHORT_TEXT)
+    stack, values = [(key, value, 1) for key, value in body.items()], 0
+    while stack:
+        top, value, depth = stack.pop()
+        values += 1
+        if values > max_values:
+            raise InvalidRequestError(f"request body has more than {max_values} values; no request needs as many",
+                                      param="body", code="invalid_value")
+        if depth > MAX_BODY_DEPTH:
+            raise InvalidRequestError(f"{top}: objects nest more than {MAX_BODY_DEPTH} levels deep", param=str(top),
+                                      code="invalid_value")
+        if isinstance(value, str) and len(value) > max_string:
+            raise InvalidRequestError(f"{top}: a string of {len(value)} characters; at most {max_string} are allowed",
+                                      param=str(top), code="invalid_value")
+        if isinstance(value, dict):
+            stack.extend((top, v, depth + 1) for v in value.values())
+            values += len(value)  # keys count too
+        elif isinstance(value, list):
+            stack.extend((top, v, depth + 1) for v in value)
+
+
 def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits):
     """Validate ``body`` (a dict or a request model) as ``model_class`` against ``limits``.
 
     Raises ``ModelNotFoundError`` (404) if ``model`` names another model, and
-    ``InvalidRequestError`` (400) listing every problem, ``param`` the first offending field.
+    ``InvalidRequestError`` (400) listing every problem (the first ``MAX_ERRORS_LISTED``, then
+    how many more), ``param`` the first offending field.
     """
     if isinstance(body, BaseModel):
         body = body.model_dump(exclude_unset=True)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param="body")
+    check_shape(body, limits)
     model = body.get("model")
     if model is not None and model != limits.model_name:
         raise ModelNotFoundError(
-            f"model {model!r} is not served here; available: {limits.model_name!r}", param="model",
+            f"model {shown(model)} is not served here; available: {limits.model_name!r}", param="model",
             code="model_not_found")
     try:
         return model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        described = [describe_error(e, model_class) for e in exc.errors(include_url=False)]
-        raise InvalidRequestError("; ".join(m for _, m in described), param=described[0][0],
-                                  code="invalid_value") from None
+        errors = exc.errors(include_url=False)
+        described = [describe_error(e, model_class) for e in errors[:MAX_ERRORS_LISTED]]
+        message = "; ".join(m for _, m in described)
+        if len(errors) > MAX_ERRORS_LISTED:
+            message += f"; and {len(errors) - MAX_ERRORS_LISTED} more problems"
+        raise InvalidRequestError(message, param=described[0][0], code="invalid_value") from None

@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.contract.base import GenerationRequest, limits_of, non_negative, validate_body
+from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, validate_body
+from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
 from pipeline.wire import GenerationMetadata
@@ -37,13 +38,13 @@ class ImageGenerationRequest(GenerationRequest):
     @classmethod
     def _response_format(cls, v: str) -> str:
         if v != "b64_json":
-            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {v!r}")
+            raise ValueError(f"response_format must be 'b64_json' (the only format served), got {shown(v)}")
         return v
 
     @field_validator("true_cfg_scale")
     @classmethod
     def _true_cfg_scale(cls, v: float | None, info: ValidationInfo) -> float | None:
-        return non_negative(v, info)
+        return guidance_scale(v, info)
 
     @model_validator(mode="after")
     def _tokens_split(self, info: ValidationInfo) -> "ImageGenerationRequest":

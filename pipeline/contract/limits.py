@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pipeline.contract.text import shown
 from pipeline.modes import DualMode, GuidanceMode
 
-SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*x\s*(\d{1,6})\s*$")
+SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII digits only, no spaces
+# Guidance scales above this only saturate the image; the bound keeps every scale far inside float32.
+MAX_GUIDANCE_SCALE = 100.0
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,10 @@ class ServingLimits:
     ``attention_rejections``: kernel name -> why it cannot run here. ``world_size``: ranks
     the latent tokens of a sample are split across. ``guidance_style``: the guidance mode the
     model uses when guided. ``temporal_factor``: video models take ``k · temporal_factor + 1``
-    frames (0: an image model).
+    frames (0: an image model). ``special_tokens``: strings the model's tokenizers treat as
+    special (refused in prompts). ``scm_preset_steps``: per cache-dit SCM preset, the step
+    counts (up to ``max_steps``) cache-dit's own mask builder accepts (empty: not checked).
+    ``max_timeout_s``: the longest ``timeout_s`` a request may ask for (seconds).
     """
 
     model_name: str
@@ -44,11 +50,14 @@ class ServingLimits:
     default_fps: int = 16
     max_frames: int = 1
     default_boundary_ratio: float | None = None
+    special_tokens: tuple[str, ...] = ()
+    scm_preset_steps: dict = field(default_factory=dict)
+    max_timeout_s: float = 3600.0
 
 
 def parse_size(size: str) -> tuple[int, int]:
     """``"WxH"`` → ``(width, height)`` in pixels; raises ``ValueError`` if malformed."""
     match = SIZE_RE.match(size)
     if not match:
-        raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT in pixels), got {size!r}")
+        raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT in pixels, ASCII digits), got {shown(size)}")
     return int(match.group(1)), int(match.group(2))

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
-from pipeline.contract.base import GenerationRequest, limits_of, non_negative, validate_body
+from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, validate_body
+from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
 from pipeline.modes import DualMode, StrEnum
@@ -41,9 +42,9 @@ class VideoGenerationRequest(GenerationRequest):
         try:
             seconds = float(v)
         except (TypeError, ValueError):
-            raise ValueError(f"seconds must be a number of seconds > 0, got {v!r}") from None
+            raise ValueError(f"seconds must be a number of seconds > 0, got {shown(v)}") from None
         if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
-            raise ValueError(f"seconds must be a number of seconds in (0, {MAX_SECONDS}], got {v!r}")
+            raise ValueError(f"seconds must be a number of seconds in (0, {MAX_SECONDS}], got {shown(v)}")
         return seconds
 
     @field_validator("fps")
@@ -60,9 +61,11 @@ class VideoGenerationRequest(GenerationRequest):
         if v is not None and limits and limits.dual_mode != DualMode.BOUNDARY:
             raise ValueError(f"{info.field_name} applies to models with boundary experts (Wan 2.2 A14B); "
                              f"{limits.model_name!r} has none")
-        if info.field_name == "boundary_ratio" and v is not None and not 0.0 <= v <= 1.0:
-            raise ValueError(f"boundary_ratio must be in [0, 1], got {v}")
-        return non_negative(v, info)
+        if info.field_name == "boundary_ratio":
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"boundary_ratio must be in [0, 1], got {v}")
+            return v
+        return guidance_scale(v, info)
 
     def frames(self, limits: ServingLimits) -> int:
         """The frame count this request asks for (before the limit checks)."""

@@ -47,4 +47,8 @@ def load_family(name: str, path: str | Path, *, torch_dtype, device, **options):
     cls = family_class(name)
     diffusers_logging.disable_progress_bar()  # no per-component progress bars in server logs
     transformers_logging.disable_progress_bar()
+    # Their warnings echo request text (a truncated prompt is logged whole): one client could
+    # flood the replica's log. Errors still show.
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
     return cls.from_pretrained(path, torch_dtype=torch_dtype, device=device, **options)

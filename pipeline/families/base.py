@@ -70,6 +70,11 @@ class ModelFamily(Protocol):
         """Attention heads per layer (Ulysses splits them across ranks)."""
 
     @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Every special-token string of the family's tokenizers (``</s>``, ``<|endoftext|>``):
+        requests may not contain them (``pipeline.contract.text``)."""
+
+    @property
     def num_blocks(self) -> int:
         """Transformer blocks cache-dit sees, the fewest over ``transformers`` (bounds
         ``Fn_compute_blocks + Bn_compute_blocks``)."""
@@ -108,6 +113,11 @@ class ModelFamily(Protocol):
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
         """Shard every transformer's sequence across the ranks of ``mesh`` (``parallel/``)."""
+
+
+def tokenizer_special_tokens(*tokenizers) -> tuple[str, ...]:
+    """The sorted special-token strings of ``tokenizers`` (None entries skipped)."""
+    return tuple(sorted({t for tok in tokenizers if tok is not None for t in tok.all_special_tokens}))
 
 
 def count_blocks(transformer: torch.nn.Module) -> int:

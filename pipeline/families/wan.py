@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import count_blocks
+from pipeline.families.base import count_blocks, tokenizer_special_tokens
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -101,6 +101,10 @@ class WanFamily:
     @property
     def num_attention_heads(self) -> int:
         return int(self.transformer.config.num_attention_heads)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tokenizer_special_tokens(self.pipe.tokenizer)
 
     @property
     def num_blocks(self) -> int:

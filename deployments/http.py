@@ -1,0 +1,247 @@
+"""HTTP plumbing of the Ingress: error envelopes, bounded bodies, forms, bearer-token auth.
+
+Every error response is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+Bodies are read with a size cap before anything parses them (413), only the media types a
+route takes are accepted (415), and JSON that cannot be parsed (malformed, or nested deeper
+than the parser allows) is a 400. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import ActorUnavailableError, RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
+                             PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
+
+JSON_TYPE = "application/json"
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+MAX_FORM_FIELDS = 256  # Starlette's parser stops at this many fields (a request has a few dozen)
+
+# Status codes Starlette/FastAPI raise themselves, as OpenAI-style error codes.
+_HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+               413: "body_too_large", 415: "unsupported_media_type", 422: "invalid_value"}
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A Ray-wrapped error from the router or a replica → the error it carries."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def as_ditserve_error(exc: BaseException) -> DitServeError:
+    """An exception as the error a client gets: a ditserve error as it is; the Router's actor
+    gone (stopping, dead, restarting) as 503 ``unavailable``; anything else as a 500 that names
+    no internals (never a trace or a path)."""
+    cause = _unwrap(exc)
+    if isinstance(cause, DitServeError):
+        return cause
+    if isinstance(cause, (RayActorError, ActorUnavailableError)) or isinstance(exc, (RayActorError,
+                                                                                    ActorUnavailableError)):
+        return ServiceUnavailableError("the router is unavailable (restarting or shutting down); retry shortly",
+                                       code="unavailable")
+    return InternalError(f"internal error ({type(cause).__name__})")
+
+
+def error_response(exc: DitServeError) -> JSONResponse:
+    """The envelope with the error's status, and ``Retry-After`` for 429 / 503."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers)
+
+
+def install_error_handlers(app) -> None:
+    """Make every error ``app`` answers an envelope: ditserve's, Starlette's own (no such
+    route or method, unparsable form), FastAPI's parameter validation, and anything else."""
+
+    @app.exception_handler(DitServeError)
+    async def _ditserve_error(_request: Request, exc: DitServeError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse({"error": {"message": str(exc.detail)[:500], "type": "invalid_request_error",
+                                       "param": None, "code": code}}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _parameter_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        where = ".".join(str(p) for p in (exc.errors()[0].get("loc") or ())) if exc.errors() else "request"
+        return error_response(InvalidRequestError(f"{where}: invalid value", param=where, code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_ditserve_error(exc))
+
+
+# -- bodies ---------------------------------------------------------------------------------
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes: a larger ``Content-Length`` is refused before
+    reading, a longer stream as soon as it passes the limit. Raises ``PayloadTooLargeError``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body of {int(declared)} bytes; at most {limit} are accepted",
+                                   param="body", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body over {limit} bytes", param="body", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes):
+    """JSON text → value. Raises ``InvalidRequestError`` for malformed or too deeply nested JSON."""
+    try:
+        return json.loads(raw or b"null")
+    except RecursionError:
+        raise InvalidRequestError("request body nests too deeply", param="body", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {str(exc)[:200]}", param="body",
+                                  code="invalid_json") from None
+
+
+def _unsupported(request: Request, accepted: tuple[str, ...]) -> UnsupportedMediaTypeError:
+    return UnsupportedMediaTypeError(
+        f"Content-Type {media_type(request) or 'missing'!r} is not accepted here; send {' or '.join(accepted)}",
+        param="Content-Type", code="unsupported_media_type")
+
+
+async def json_body(request: Request, max_json_bytes: int):
+    """A JSON request's body (``Content-Type: application/json`` only, at most ``max_json_bytes``)."""
+    if media_type(request) != JSON_TYPE:
+        raise _unsupported(request, (JSON_TYPE,))
+    return parse_json(await read_body(request, max_json_bytes))
+
+
+async def json_or_form_body(request: Request, max_json_bytes: int, max_body_bytes: int) -> dict:
+    """A body sent as JSON or as a form (multipart or url-encoded, how OpenAI's SDK sends
+    ``videos.create``), as a JSON-like dict; forms go through :func:`form_to_body`."""
+    kind = media_type(request)
+    if kind == JSON_TYPE:
+        return parse_json(await read_body(request, max_json_bytes))
+    if kind not in FORM_TYPES:
+        raise _unsupported(request, (JSON_TYPE, *FORM_TYPES))
+    raw = await read_body(request, max_body_bytes)
+
+    async def replay():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=16, max_fields=MAX_FORM_FIELDS)
+    except Exception as exc:  # Starlette's multipart / url-encoded parse errors
+        raise InvalidRequestError(f"request body is not a valid form: {str(getattr(exc, 'detail', exc))[:200]}",
+                                  param="body", code="invalid_form") from None
+    return form_to_body(list(form.multi_items()))
+
+
+_FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
+_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds"}
+
+
+def form_to_body(items: list[tuple[str, object]]) -> dict:
+    """Form fields → a JSON body.
+
+    Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
+    objects and a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``);
+    values of fields other than the text fields are read as JSON when they parse (``8`` → 8,
+    ``true`` → True), else kept as text, and validation then names bad ones.
+    """
+    body: dict = {}
+    for key, value in items:
+        match = _FORM_KEY.match(key)
+        if not match:
+            raise InvalidRequestError(f"malformed form field name {key[:40]!r}", param=key[:40])
+        path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
+        if "" in path[:-1]:
+            raise InvalidRequestError(f"malformed form field name {key[:40]!r} ([] only at the end)", param=path[0])
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{path[0]}: file uploads are not supported", param=path[0])
+        if path[0] not in _FORM_TEXT_FIELDS:
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                pass
+        node = body
+        parts, append = (path[:-1], True) if path[-1] == "" else (path, False)
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=path[0])
+        if append:
+            node = node.setdefault(parts[-1], [])
+            if not isinstance(node, list):
+                raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=path[0])
+            node.append(value)
+        elif isinstance(node.get(parts[-1]), (dict, list)):
+            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=path[0])
+        else:
+            node[parts[-1]] = value
+    return body
+
+
+# -- authentication ---------------------------------------------------------------------------
+def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None) -> tuple[str, ...]:
+    """The accepted API keys: one per line (or comma-separated) in environment variable
+    ``api_keys_env`` and in file ``api_keys_file``. Raises ``ValueError`` when a source is
+    configured but yields no key (an open server by mistake)."""
+    keys: list[str] = []
+    if api_keys_env is not None:
+        value = os.environ.get(api_keys_env, "")
+        if not value.strip():
+            raise ValueError(f"auth.api_keys_env names {api_keys_env}, which is unset or empty")
+        keys += re.split(r"[\s,]+", value.strip())
+    if api_keys_file is not None:
+        path = Path(api_keys_file)
+        if not path.is_file():
+            raise ValueError(f"auth.api_keys_file {api_keys_file} is not a readable file")
+        found = [k for k in re.split(r"[\s,]+", path.read_text().strip()) if k]
+        if not found:
+            raise ValueError(f"auth.api_keys_file {api_keys_file} holds no key")
+        keys += found
+    return tuple(k for k in keys if k)
+
+
+class BearerAuth:
+    """ASGI middleware: with keys configured, every route but ``/health`` needs
+    ``Authorization: Bearer <key>`` (OpenAI's header; the SDK's ``api_key``), compared in
+    constant time; otherwise 401 in the envelope. ``/docs``, ``/redoc`` and ``/openapi.json``
+    are behind it too. Keys come from :func:`load_api_keys` via ``app.state.api_keys``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        keys = getattr(scope.get("app") and scope["app"].state, "api_keys", ()) if scope["type"] == "http" else ()
+        if keys and not scope["path"].rstrip("/").endswith("/health") and not self._authorized(scope, keys):
+            response = error_response(AuthenticationError(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'", param=None, code="invalid_api_key"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _authorized(scope, keys: tuple[bytes, ...]) -> bool:
+        header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        matched = False
+        for key in keys:  # every key compared, each in constant time
+            matched |= hmac.compare_digest(token, key)
+        return matched

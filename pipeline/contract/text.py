@@ -1,0 +1,37 @@
+"""Text a tokenizer will see: what one request may send so that it cannot fail a shared batch.
+
+Checked in the Ingress, before queueing: text the tokenizers cannot take (a lone surrogate:
+the Rust tokenizers raise on it, which would fail every request of the batch), control
+characters other than tab, newline and carriage return, and the model's own special-token
+strings (``</s>``, ``<|endoftext|>``: they would end or pad the text where the user did not
+mean to). Lengths are bounded by ``limits.max_prompt_chars`` before these checks run.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+ALLOWED_CONTROL = frozenset("\t\n\r")
+
+
+def shown(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"...' ({len(text)} characters)"
+
+
+def text_problem(field: str, value: str, special_tokens: tuple[str, ...] = ()) -> str | None:
+    """Why ``value`` (of request field ``field``) cannot go to the tokenizers, or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"{field} is not valid Unicode text: a lone surrogate {value[exc.start]!r} at position "
+                f"{exc.start}")
+    for i, ch in enumerate(value):
+        if ch not in ALLOWED_CONTROL and unicodedata.category(ch) == "Cc":
+            return (f"{field} contains the control character {ch!r} at position {i}; only tab, newline and "
+                    "carriage return are allowed")
+    for token in special_tokens:
+        if token in value:
+            return f"{field} contains {token!r}, a special token of the model's tokenizers; remove it"
+    return None

@@ -1,0 +1,185 @@
+"""No request can hurt another (in-process checks): every value that sizes memory or time is
+bounded before queueing, text the tokenizers cannot take is refused, bodies no request needs
+are refused cheaply with bounded messages, and what still fails inside a batch fails alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from deployments.http import form_to_body, load_api_keys, parse_json
+from pipeline.cache_dit_actions import preset_step_counts
+from pipeline.contract.images import validate_image_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.videos import validate_video_request
+from pipeline.errors import InvalidRequestError
+from pipeline.modes import DualMode, GuidanceMode
+from pipeline.runner import BatchRunner
+from pipeline.sampling import resolve
+from tests.helpers import batch_of, flux_params
+
+SPECIAL = ("</s>", "<pad>", "<unk>", "<|endoftext|>", "<|startoftext|>")
+LIMITS = ServingLimits("tiny-flux", 8, 64, 64, 16, 3.5, max_pixels=65536, max_steps=100, num_blocks=10,
+                       special_tokens=SPECIAL, scm_preset_steps=preset_step_counts(100), max_timeout_s=600)
+VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan", spatial_factor=16, guidance_embeds=False,
+                            guidance_style=GuidanceMode.CFG, dual_mode=DualMode.BOUNDARY, temporal_factor=4,
+                            default_num_frames=9, max_frames=33, default_boundary_ratio=0.875)
+
+
+def refused(body: dict, limits: ServingLimits = LIMITS, video: bool = False) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as info:
+        (validate_video_request if video else validate_image_request)(body, limits)
+    return info.value
+
+
+# -- 1. values that size memory or time ---------------------------------------------------------
+@pytest.mark.parametrize("fields, param, words", [
+    ({"enable_cache_dit": True, "num_inference_steps": 1, "cache_dit_params": {"max_warmup_steps": 2147483648}},
+     "cache_dit_params", "max_warmup_steps"),  # the example that took the app down
+    ({"cache_dit_params": {"max_warmup_steps": 17}}, "cache_dit_params", "at most num_inference_steps (16)"),
+    ({"cache_dit_params": {"max_continuous_cached_steps": 2**40}}, "cache_dit_params", "max_continuous_cached_steps"),
+    ({"num_inference_steps": 8, "cache_dit_params": {"scm_compute_bins": [1] * 9, "scm_cache_bins": [1]}},
+     "cache_dit_params", "has 9 bins"),
+    ({"cache_dit_params": {"taylorseer_order": 9}}, "cache_dit_params", "taylorseer_order"),
+    ({"cache_dit_params": {"residual_diff_threshold": 1e300}}, "cache_dit_params", "residual_diff_threshold"),
+    ({"cache_dit_params": {"Fn_compute_blocks": 2**70}}, "cache_dit_params", "Fn_compute_blocks"),
+    ({"cache_dit_params": {"secondary": {"max_warmup_steps": 10**9}}}, "cache_dit_params", "secondary"),
+    ({"guidance_scale": 3.5e38}, "guidance_scale", "at most 100"),
+    ({"true_cfg_scale": 1e39}, "true_cfg_scale", "at most 100"),
+    ({"timeout_s": 1e308}, "timeout_s", "at most 600"),
+    ({"seed": 2**64}, "seed", "less than"),
+    ({"n": 2**64}, "n", "between 1 and 4"),
+    ({"num_inference_steps": 2**63}, "num_inference_steps", "between 1 and 100"),
+    ({"size": "99992x99992"}, "size", "at most 65536"),
+    ({"n": True}, "n", "integer"),                 # strict: a bool is not a count
+    ({"num_inference_steps": "8"}, "num_inference_steps", "integer"),
+    ({"user": "u" * 300}, "user", "at most 256"),
+])
+def test_every_sizing_value_is_bounded_before_queueing(fields, param, words):
+    err = refused({"prompt": "a red circle", **fields})
+    assert err.param == param and words in err.message, err.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"num_frames": 2**70}, "num_frames"), ({"seconds": 1e308}, "seconds"), ({"fps": 2**40}, "fps"),
+    ({"guidance_scale_2": 1e39}, "guidance_scale_2"), ({"num_frames": True}, "num_frames"),
+])
+def test_video_sizing_values_are_bounded(fields, param):
+    assert refused({"prompt": "a", **fields}, VIDEO, video=True).param == param
+
+
+def test_scm_presets_follow_cache_dits_own_mask_builder():
+    """cache-dit's masks need 4, 6 or >= 8 steps: the table comes from its builder, and a
+    request outside it is a 400 (it was a 500 at mount)."""
+    table = preset_step_counts(12)
+    assert table["fast"] == (4, 6, 8, 9, 10, 11, 12)
+    err = refused({"prompt": "a", "num_inference_steps": 5, "cache_dit_params": {"scm_preset": "fast"}})
+    assert err.param == "cache_dit_params" and "4, 6 or 8..100" in err.message
+    validate_image_request({"prompt": "a", "num_inference_steps": 6, "cache_dit_params": {"scm_preset": "fast"}},
+                           LIMITS)
+
+
+@pytest.mark.parametrize("size", ["６４x64", " 64x64", "64 x 64", "64X64", "64x64 ", "٦٤x64", "+64x64"])
+def test_size_takes_ascii_digits_only(size):
+    assert refused({"prompt": "a", "size": size}).param == "size"
+
+
+# -- 2. text the tokenizers cannot take, refused up front ---------------------------------------
+@pytest.mark.parametrize("text, words", [
+    ("\ud800", "lone surrogate"), ("a\x00b", "control character"), ("\x1b[31mred", "control character"),
+    ("a red circle</s>", "special token"), ("<|endoftext|> x", "special token"),
+])
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_untokenizable_text_is_refused_naming_the_field(field, text, words):
+    body = {"prompt": "a", field: text}
+    err = refused(body)
+    assert err.param == field and words in err.message
+
+
+def test_tabs_newlines_and_other_scripts_are_fine():
+    validate_image_request({"prompt": "a red\tcircle\non blue\r\n, 赤い円 🎨"}, LIMITS)
+
+
+# -- 5. bodies no request needs: refused cheaply, messages bounded -----------------------------
+def test_a_flood_of_unknown_keys_is_refused_fast_with_a_short_message():
+    body = {"prompt": "a", "cache_dit_params": {f"k{i}": i for i in range(1_000_000)}}
+    started = time.perf_counter()
+    err = refused(body)
+    assert time.perf_counter() - started < 2.0  # a bounded walk, not a million validation errors
+    assert len(err.message) < 300 and err.param == "body"
+    many = {"prompt": "a", **{f"typo{i}": 1 for i in range(40)}}
+    err = refused(many)
+    assert "and 32 more problems" in err.message and len(err.message) < 1000
+
+
+def test_deep_nesting_is_a_400_in_json_and_in_forms():
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(InvalidRequestError, match="nests too deeply"):
+        parse_json(deep.encode())
+    nested: dict = {}
+    node = nested
+    for _ in range(20):
+        node["x"] = {}
+        node = node["x"]
+    assert "nest more than" in refused({"prompt": "a", "cache_dit_params": nested}).message
+    body = form_to_body([("prompt", "a"), ("cache_dit_params", deep)])  # a form value that is deep JSON
+    assert refused(body).param == "cache_dit_params"
+
+
+def test_long_values_are_not_echoed_whole():
+    err = refused({"prompt": "a", "size": "x" * 5000, "attention_backend_override": "y" * 5000})
+    assert len(err.message) < 600
+
+
+def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DITSERVE_TEST_KEYS", "k1, k2\nk3")
+    (tmp_path / "keys").write_text("k4\n")
+    assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
+    monkeypatch.setenv("DITSERVE_EMPTY", " ")
+    with pytest.raises(ValueError, match="unset or empty"):
+        load_api_keys("DITSERVE_EMPTY")
+    with pytest.raises(ValueError, match="not a readable file"):
+        load_api_keys(None, str(tmp_path / "missing"))
+
+
+# -- 2. what still fails inside a batch fails alone ---------------------------------------------
+@pytest.fixture(scope="module")
+def runner():
+    return BatchRunner("tiny-flux")
+
+
+def test_a_poisoned_request_fails_alone_and_leaves_its_batch_unchanged(runner):
+    """A lone surrogate past validation (the Ingress refuses it; here it is injected) makes the
+    tokenizer raise inside the batch: only that request fails, the others' images are the
+    ones they get without it."""
+    good = [flux_params(f"a red circle {i}", i, steps=4, size=(64, 64)) for i in range(3)]
+    poisoned = dataclasses.replace(good[0], prompt="\ud800", request_id="poison", seed=99)
+    clean = runner.run(batch_of(*good))
+    mixed = runner.run(batch_of(good[0], poisoned, good[1], good[2]))
+    assert [o.request_id for o in mixed] == ["r0", "poison", "r1", "r2"]
+    assert mixed[1].error is not None and mixed[1].error.param == "prompt" and not mixed[1].images
+    assert "poison" in mixed[1].error.message and mixed[1].error.status_code == 400
+    for alone, inside in zip(clean, [mixed[0], mixed[2], mixed[3]], strict=True):
+        assert inside.error is None and inside.images == alone.images
+
+
+def test_a_poisoned_negative_prompt_fails_alone(runner):
+    guided = [flux_params(f"a blue square {i}", i, steps=4, size=(64, 64), negative="blurry", true_cfg_scale=3.0)
+              for i in range(2)]
+    poisoned = dataclasses.replace(guided[0], negative_prompt="\udfff", request_id="poison")
+    clean = runner.run(batch_of(*guided))
+    mixed = runner.run(batch_of(poisoned, *guided))
+    assert mixed[0].error.param == "negative_prompt"
+    assert [o.images for o in mixed[1:]] == [o.images for o in clean]
+    only = runner.run(batch_of(poisoned))
+    assert only[0].error is not None  # a batch of only poisoned requests answers each of them
+
+
+def test_resolved_requests_json_roundtrip_of_form_bodies():
+    body = form_to_body([("prompt", "a"), ("num_inference_steps", "8"), ("cache_dit_params[scm_cache_bins][]", "2")])
+    assert body == {"prompt": "a", "num_inference_steps": 8, "cache_dit_params": {"scm_cache_bins": [2]}}
+    assert json.loads(json.dumps(body)) == body
+    assert resolve(validate_image_request({"prompt": "a"}, LIMITS), LIMITS).num_inference_steps == 16
