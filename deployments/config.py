@@ -187,6 +187,8 @@ class ReplicaConfig(_Strict):
     (``STRICT_PACK``). ``graceful_shutdown_timeout_s``: how long a running batch may take to
     finish when a replica stops (seconds; Serve's option). The Router and the Ingress stop 5 and
     10 seconds later, so the Ingress answers the requests still queued (503).
+    ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health checks of a replica
+    (seconds); a replica that breaks exits, and Serve replaces it at the next check.
     """
 
     num_replicas: int = Field(default=1, ge=1)
@@ -195,6 +197,8 @@ class ReplicaConfig(_Strict):
     torch_threads: int | None = Field(default=None, ge=1)
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
+    health_check_period_s: float = Field(default=2.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
     def _replicas(self):
@@ -211,10 +215,15 @@ class ReplicaConfig(_Strict):
 
 
 class ParallelSettings(_Strict):
-    """Sequence parallelism of one replica: ``world_size = ulysses_degree × ring_degree``."""
+    """Sequence parallelism of one replica: ``world_size = ulysses_degree × ring_degree``.
+
+    ``rendezvous_timeout_s``: how long the ranks wait for each other to join the process group
+    (seconds), counted once every rank has loaded its model.
+    """
 
     ulysses_degree: int = Field(default=1, ge=1)
     ring_degree: int = Field(default=1, ge=1)
+    rendezvous_timeout_s: float = Field(default=600.0, gt=0)
 
     @property
     def world_size(self) -> int:

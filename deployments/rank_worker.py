@@ -1,53 +1,100 @@
 """Rank workers of a multi-rank replica: Ray actors pinned to the replica's placement group.
 
 The DiTReplica actor is rank 0; it starts ranks 1..N-1 here, each in its own bundle of the
-replica's placement group (so they are owned by, and die with, the replica), and all ranks
-join one torch.distributed group. Per batch every rank runs the same steps on its shard of
+replica's placement group (so they are owned by, and die with, the replica). Start-up order:
+the rank actors are created first and load their model while rank 0 loads its own; once every
+rank has loaded, all join one torch.distributed group (the rendezvous waits only for joining,
+``parallel.rendezvous_timeout_s``). Per batch every rank runs the same steps on its shard of
 the sequence; only rank 0 decodes.
+
+Failures: a batch that fails on any rank, other than the same state-transition failure on
+every rank before any collective, leaves the group unusable (ranks may be blocked in a
+collective); :class:`RankGroup` reports it as :class:`GroupBroken` and the replica is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.runner import BatchRunner
+from pipeline.loop import BatchCancelled
+from pipeline.runner import BatchRunner, StateTransitionError
 from pipeline.wire import Batch
+
+# Seconds the other ranks get to end the same consistent way as the first rank that stopped
+# before the group is declared broken.
+SAME_FAILURE_GRACE_S = 30.0
+# Ways a batch can end on every rank that leave the ranks in step.
+CONSISTENT = (StateTransitionError, BatchCancelled)
+
+
+def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -> str:
+    """The device a rank runs on: ``configured`` for CPU; on CUDA the rank's own GPU — index 0
+    when Ray narrowed ``CUDA_VISIBLE_DEVICES`` to it, else the GPU id Ray assigned
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``), so ranks never share GPU 0 by accident."""
+    if not configured.startswith("cuda") or not gpu_ids:
+        return configured
+    return "cuda:0" if cuda_visible_set_by_ray else f"cuda:{int(gpu_ids[0])}"
 
 
 def make_runner(model: dict, acceleration: dict) -> BatchRunner:
+    """This process's BatchRunner, on this rank's device (see :func:`rank_device`)."""
+    model = dict(model)
+    model["device"] = rank_device(model.get("device", "cpu"), ray.get_gpu_ids() if ray.is_initialized() else [],
+                                  not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
     return BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
                        torch_compile=acceleration.get("torch_compile", False),
                        compile_backend=acceleration.get("compile_backend", "inductor"))
 
 
-@ray.remote
+class GroupBroken(RuntimeError):
+    """A batch left the replica's process group unusable: a rank died, or ranks failed
+    differently (some may be blocked in a collective). The replica must be replaced."""
+
+
+@ray.remote(concurrency_groups={"batch": 1, "control": 1})
 class RankWorker:
-    """Rank ``rank`` (>= 1) of one replica: its own model copy and acceleration state."""
+    """Rank ``rank`` (>= 1) of one replica: its own model copy and acceleration state.
+
+    Two concurrency groups: batches run one at a time in ``batch``; ``ping`` and
+    ``cache_stats`` answer in ``control`` while a batch runs, so a long batch never fails
+    the replica's health check.
+    """
 
     def __init__(self, rank: int, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.rank = rank
-        self.config = ParallelConfig(**parallel)
+        self.config = ParallelConfig(**{k: v for k, v in parallel.items() if k in ("ulysses_degree", "ring_degree")})
         self.runner = make_runner(model, acceleration)
 
-    def join(self, master_addr: str, master_port: int) -> int:
-        mesh = join(self.rank, self.config, master_addr, master_port, str(self.runner.family.device))
+    @ray.method(concurrency_group="control")
+    def ready(self) -> int:
+        """Returns once the model is loaded (the actor's constructor has finished)."""
+        return self.rank
+
+    @ray.method(concurrency_group="batch")
+    def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> int:
+        mesh = join(self.rank, self.config, master_addr, master_port, str(self.runner.family.device), timeout_s)
         self.runner.enable_sequence_parallel(self.config, mesh, self.rank)
         return self.rank
 
+    @ray.method(concurrency_group="batch")
     def run_batch(self, batch: Batch) -> None:
-        self.runner.run(batch)
+        self.runner.run(batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
 
+    @ray.method(concurrency_group="batch")
     def denoise(self, batch: Batch):
         return self.runner.denoise(batch)
 
+    @ray.method(concurrency_group="control")
     def cache_stats(self) -> dict:
         """This rank's cache-dit record of the last batch: cached steps and residual diffs."""
         import cache_dit
@@ -56,6 +103,7 @@ class RankWorker:
         return {"cached_steps": list(stats[0].cached_steps) if stats else [],
                 "residual_diffs": dict(stats[0].residual_diffs) if stats else {}}
 
+    @ray.method(concurrency_group="control")
     def ping(self) -> bool:
         return True
 
@@ -63,13 +111,13 @@ class RankWorker:
 class RankGroup:
     """Rank 0's view of its replica: its own runner plus the worker actors of ranks 1..N-1."""
 
-    def __init__(self, runner: BatchRunner, model: dict, acceleration: dict, parallel: dict,
-                 torch_threads: int | None, rank_resources: dict, name_prefix: str):
-        self.runner = runner
-        self.config = ParallelConfig(**parallel)
-        problems = self.config.startup_problems(num_heads=runner.family.num_attention_heads)
-        if problems:
-            raise ValueError("bad parallel layout: " + "; ".join(problems))
+    def __init__(self, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None,
+                 rank_resources: dict, name_prefix: str):
+        """Create the rank actors (they start loading at once). Raises ``ValueError`` when the
+        placement group does not have one bundle per rank."""
+        self.config = ParallelConfig(ulysses_degree=parallel.get("ulysses_degree", 1),
+                                     ring_degree=parallel.get("ring_degree", 1))
+        self.rendezvous_timeout_s = float(parallel.get("rendezvous_timeout_s", 600.0))
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.config.world_size:
             raise ValueError(f"world_size={self.config.world_size} needs one placement-group bundle per rank; "
@@ -82,19 +130,47 @@ class RankGroup:
             ).remote(rank, model, acceleration, parallel, torch_threads)
             for rank in range(1, self.config.world_size)
         ]
-        address = ray.util.get_node_ip_address()
-        port = free_port()
-        joined = [w.join.remote(address, port) for w in self.workers]
-        mesh = join(0, self.config, address, port, str(runner.family.device))
+        self.runner: BatchRunner | None = None
+
+    def join(self, runner: BatchRunner) -> None:
+        """Wait until every rank has loaded, then form the process group with rank 0's ``runner``.
+        Raises ``ValueError`` for a layout the model cannot take; the rendezvous raises after
+        ``rendezvous_timeout_s``."""
+        problems = self.config.startup_problems(num_heads=runner.family.num_attention_heads)
+        if problems:
+            raise ValueError("bad parallel layout: " + "; ".join(problems))
+        ray.get([w.ready.remote() for w in self.workers])  # loading takes as long as it takes
+        address, port = ray.util.get_node_ip_address(), free_port()
+        joined = [w.join.remote(address, port, self.rendezvous_timeout_s) for w in self.workers]
+        mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)
         ray.get(joined)
         runner.enable_sequence_parallel(self.config, mesh, 0)
+        self.runner = runner
 
-    async def run(self, batch: Batch, on_step=None):
+    async def run(self, batch: Batch, on_step=None, should_stop=None):
         """Run ``batch`` on every rank; rank 0's outputs (``on_step`` follows rank 0's steps).
-        A failed rank fails the batch."""
-        pending = [w.run_batch.remote(batch) for w in self.workers]
-        outputs, *_ = await asyncio.gather(asyncio.to_thread(self.runner.run, batch, on_step), *pending)
-        return outputs
+
+        Raises rank 0's error when every rank ended the same consistent way (the same failed
+        state transition, before any collective; or a cancellation agreed at the same step),
+        else :class:`GroupBroken` as soon as any rank fails (others may be blocked in a
+        collective; they are not waited for).
+        """
+        rank0 = asyncio.ensure_future(asyncio.to_thread(self.runner.run, batch, on_step, should_stop))
+        others = [asyncio.ensure_future(_awaited(w.run_batch.remote(batch))) for w in self.workers]
+        tasks = [rank0, *others]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if not failed:
+            return rank0.result()
+        first = failed[0].exception()
+        if isinstance(_cause(first), CONSISTENT):  # still in step only if every rank ended the same way
+            await asyncio.wait(tasks, timeout=SAME_FAILURE_GRACE_S)
+            kind = type(_cause(first))
+            if all(t.done() and isinstance(_cause(t.exception()), kind) for t in tasks):
+                raise _cause(rank0.exception())
+        rank = 0 if failed[0] is rank0 else tasks.index(failed[0])
+        raise GroupBroken(f"rank {rank} failed during batch {batch.batch_id}: {type(_cause(first)).__name__}: "
+                          f"{str(_cause(first))[:200]}")
 
     def run_sync(self, batch: Batch):
         """``run`` for the replica's constructor (warmup), outside any event loop."""
@@ -103,6 +179,22 @@ class RankGroup:
         ray.get(pending)
         return outputs
 
-    def check_alive(self, timeout_s: float = 10.0) -> None:
-        """Raises if any rank worker is dead or unresponsive."""
-        ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+    async def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Raises if any rank worker is dead or does not answer within ``timeout_s`` (answered
+        from its control group, also while a batch runs)."""
+        await asyncio.wait_for(asyncio.gather(*[_awaited(w.ping.remote()) for w in self.workers]), timeout_s)
+
+    def kill(self) -> None:
+        """Stop every rank actor (the replica is being replaced)."""
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+
+
+async def _awaited(ref):
+    return await ref
+
+
+def _cause(exc: BaseException | None) -> BaseException | None:
+    """The original exception of a Ray task error (``RayTaskError.cause``)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc

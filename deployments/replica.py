@@ -5,23 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 import torch
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 
 from deployments.autoscaling import router_queue_stats
-from deployments.rank_worker import RankGroup, make_runner
+from deployments.faults import batch_fault
+from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
+from pipeline.errors import ReplicaUnavailableError
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
 
-# Fault injection for chaos tests and drills: a batch whose signature text contains this
-# substring fails inside the replica (as a real model error would).
-FAULT_ENV = "DITSERVE_FAIL_SIGNATURES_CONTAINING"
+logger = logging.getLogger("ray.serve")
+EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its failing batch
 
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
@@ -46,7 +47,7 @@ def log_to_serve() -> None:
     ours.propagate = False
 
 
-@serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=1)
 class DiTReplica:
     """Loads the checkpoint at start; ``run_batch`` executes one signature-homogeneous batch
     and streams its progress.
@@ -54,6 +55,12 @@ class DiTReplica:
     ``max_ongoing_requests=1`` makes Serve hand it one batch at a time; the batch runs in a
     worker thread so the actor stays responsive to health checks. It reports the signature
     of its last batch (its acceleration state) to the request router.
+
+    A replica whose process group a batch broke (a rank died, or ranks failed differently)
+    refuses every later batch at once with ``ReplicaUnavailableError`` (the Router requeues
+    it), reports itself broken to the request router, stops its rank actors and exits, so
+    Serve replaces it at its next health check (``replica.health_check_period_s``, 2 s by
+    default) rather than after repeated failed checks.
     """
 
     def __init__(self, model: dict, torch_threads: int | None = None, acceleration: dict | None = None,
@@ -62,15 +69,18 @@ class DiTReplica:
             torch.set_num_threads(torch_threads)
         log_to_serve()
         acceleration = acceleration or {}
-        self._runner = make_runner(model, acceleration)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        self._parallel = ParallelConfig(**(parallel or {}))
+        self._parallel = ParallelConfig(ulysses_degree=(parallel or {}).get("ulysses_degree", 1),
+                                        ring_degree=(parallel or {}).get("ring_degree", 1))
         self._max_steps = int((limits or {}).get("max_steps", 100))
         self._ranks = None
         self._broken: str | None = None
-        if self._parallel.world_size > 1:
-            self._ranks = RankGroup(self._runner, model, acceleration, parallel, torch_threads,
-                                    rank_resources or {"CPU": 1}, name_prefix=f"ditserve-{self._replica_id}")
+        if self._parallel.world_size > 1:  # ranks 1..N-1 start loading now, in parallel with rank 0
+            self._ranks = RankGroup(model, acceleration, parallel or {}, torch_threads, rank_resources or {"CPU": 1},
+                                    name_prefix=f"ditserve-{self._replica_id}")
+        self._runner = make_runner(model, acceleration)
+        if self._ranks is not None:
+            self._ranks.join(self._runner)
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
@@ -84,12 +94,13 @@ class DiTReplica:
     def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)
 
-    def check_health(self) -> None:
-        """Fails (so Serve replaces the whole replica) if a rank died or a batch broke the group."""
+    async def check_health(self) -> None:
+        """Fails (so Serve replaces the whole replica) if a batch broke the group or a rank is
+        dead; ranks answer from their control group, also in the middle of a long batch."""
         if self._broken:
             raise RuntimeError(self._broken)
         if self._ranks is not None:
-            self._ranks.check_alive()
+            await self._ranks.check_alive()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, polled only when DiTReplica autoscales: the
@@ -98,46 +109,67 @@ class DiTReplica:
 
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
-                **self._runner.state_report(), **self._runner.counters()}
+                "broken": self._broken is not None, **self._runner.state_report(), **self._runner.counters()}
+
+    def _break(self, reason: str) -> None:
+        """Mark the replica unusable, stop its rank actors and exit the process shortly (after
+        the failing batch's answer has left), so Serve replaces it at once."""
+        self._broken = reason
+        logger.error("replica %s is broken: %s; exiting so Serve replaces it", self._replica_id, reason)
+        if self._ranks is not None:
+            self._ranks.kill()
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
 
     async def run_batch(self, batch: Batch):
         """Run one batch; an async generator (called through a streaming handle): yields
         ``{"step": done, "steps": total}`` as denoising steps complete, then the list of
-        RequestOutput in batch order. Raises what the model raises."""
+        RequestOutput in batch order.
+
+        Raises ``ReplicaUnavailableError`` at once, before running anything, when the replica
+        is broken; what the model raises otherwise. When the caller cancels the stream, the
+        batch stops at the next step boundary (on every rank) and the error is re-raised.
+        """
+        if self._broken:
+            raise ReplicaUnavailableError(f"replica {self._replica_id} is broken ({self._broken}); the batch was "
+                                          "not started", code="replica_broken")
         async with self._lock:
             digest = batch.signature.digest
             state_change = self._state is not None and self._state != digest
             self._state_changes += state_change
             self._state = digest
             self._batches += 1
-            fault = os.environ.get(FAULT_ENV)
-            if fault and fault in str(batch.signature):
-                raise RuntimeError(f"injected fault for signature {batch.signature}")
+            fault = batch_fault(batch)
+            if fault:
+                raise RuntimeError(fault)
             loop = asyncio.get_running_loop()
             steps: asyncio.Queue = asyncio.Queue()
+            stop = threading.Event()
 
             def on_step(done: int, total: int) -> None:  # called from the worker thread
                 loop.call_soon_threadsafe(steps.put_nowait, {"step": done, "steps": total})
 
             if self._ranks is None:
-                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step))
+                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set))
             else:
-                work = asyncio.ensure_future(self._ranks.run(batch, on_step))
-            while not work.done():
-                step = asyncio.ensure_future(steps.get())
-                await asyncio.wait({work, step}, return_when=asyncio.FIRST_COMPLETED)
-                if step.done():
-                    yield step.result()
-                else:
-                    step.cancel()
+                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set))
+            try:
+                while not work.done():
+                    step = asyncio.ensure_future(steps.get())
+                    await asyncio.wait({work, step}, return_when=asyncio.FIRST_COMPLETED)
+                    if step.done():
+                        yield step.result()
+                    else:
+                        step.cancel()
+            except (asyncio.CancelledError, GeneratorExit):
+                stop.set()  # every caller is gone: stop at the next step boundary, keep the lock until then
+                await _settled(work)
+                raise
             while not steps.empty():
                 yield steps.get_nowait()
             try:
                 outputs = work.result()
-            except Exception as exc:
-                if self._ranks is not None and (isinstance(exc, (RayActorError, RayTaskError))
-                                                or "Connection" in str(exc)):
-                    self._broken = f"a rank failed during batch {batch.batch_id}: {type(exc).__name__}"
+            except GroupBroken as exc:
+                self._break(str(exc))
                 raise
         report = BatchReport(batch_id=batch.batch_id, batch_size=batch.size, signature=str(batch.signature),
                              replica=self._replica_id, world_size=self._parallel.world_size,
@@ -145,3 +177,11 @@ class DiTReplica:
         for out in outputs:
             out.batch = report
         yield outputs
+
+
+async def _settled(work: asyncio.Future) -> None:
+    """Wait for ``work`` to end, whatever it ends with (used after a cancellation)."""
+    try:
+        await asyncio.shield(work)
+    except BaseException:  # noqa: BLE001 - its outcome no longer has a caller
+        pass

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.config import BatchingConfig
@@ -28,7 +29,8 @@ from deployments.jobs import JobStore, VideoJobs
 from deployments.replica_chooser import chooser_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
 from pipeline.contract.videos import VideoJob
-from pipeline.errors import DitServeError, InternalError, OverloadedError, RequestTimeoutError
+from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
+                             RequestTimeoutError)
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, ModelFacts, RequestOutput
@@ -38,17 +40,22 @@ logger = logging.getLogger("ray.serve")
 # Re-check the replica set this often while requests wait and no replica looks free
 # (a replica added or replaced by Serve does not signal the router).
 REPLICA_POLL_S = 0.1
+# A request whose batch a broken or dead replica refused before running it goes back to the
+# head of its queue at most this many times.
+MAX_REQUEUES = 2
 
 
 @dataclass(eq=False)
 class _Pending:
-    """One admitted request in its signature's queue, until its batch answers it."""
+    """One admitted request in its signature's queue, until its batch answers it. Its future
+    is cancelled when its caller goes away (disconnect, cancelled handle call, deadline)."""
 
     params: SamplingParams
     signature: BatchSignature
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
     on_progress: Callable[[int, int], None] | None = None  # (steps done, steps) while its batch runs
+    requeues: int = 0  # times a replica refused its batch before running it
 
     @property
     def cost(self) -> float:
@@ -141,7 +148,8 @@ class Router:
             remaining = params.timeout_s - (time.monotonic() - pending.enqueued)
             return await asyncio.wait_for(asyncio.shield(pending.future), max(remaining, 0.0))
         except asyncio.TimeoutError:
-            self._forget(pending)
+            if not self._forget(pending):
+                pending.future.cancel()  # in a running batch: that batch may stop early
             self._reject("timeout")
             raise RequestTimeoutError(f"request {params.request_id} did not finish within timeout_s="
                                       f"{params.timeout_s}", param="timeout_s", code="timeout",
@@ -149,6 +157,8 @@ class Router:
         except asyncio.CancelledError:
             if self._forget(pending):  # the caller went away while queued: never run it
                 self._counters["cancelled"] += 1
+            else:  # while its batch runs: when every caller of that batch is gone, it stops early
+                pending.future.cancel()
             raise
 
     async def submit(self, params: SamplingParams) -> RequestOutput:
@@ -160,6 +170,20 @@ class Router:
         """
         self._admit(params)
         return await self._wait(self._enqueue(params))
+
+    def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
+        """Put back, at the head of their queue, the requests of a batch a replica refused (or
+        died with) before any step ran; return the ones that used up their ``MAX_REQUEUES``."""
+        again = [p for p in pending if not p.future.done() and p.requeues < MAX_REQUEUES]
+        for p in reversed(again):
+            p.requeues += 1
+            self._queues.setdefault(p.signature, deque()).appendleft(p)
+        self._queued += len(again)
+        if again:
+            self._counters["requeued"] += len(again)
+            logger.warning("batch %s was not run (%s); %d requests requeued", batch_id, type(cause).__name__,
+                           len(again))
+        return [p for p in pending if p not in again]
 
     def _forget(self, pending: _Pending) -> bool:
         queue = self._queues.get(pending.signature)
@@ -241,13 +265,21 @@ class Router:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
             if p.on_progress is not None:  # dispatched: in progress from here on
                 p.on_progress(0, p.params.num_inference_steps)
+        progressed = False
         try:
             outputs = None
-            async for event in self._stream.run_batch.remote(batch):
+            stream = self._stream.run_batch.remote(batch)
+            async for event in stream:
                 if isinstance(event, dict):  # {"step": done, "steps": total}
+                    progressed = True
                     for p in pending:
                         if p.on_progress is not None:
                             p.on_progress(event["step"], event["steps"])
+                    if all(p.future.done() for p in pending):  # every caller is gone: stop the batch
+                        stream.cancel()
+                        self._counters["cancelled_running"] += 1
+                        self._counters["steps_saved"] += event["steps"] - event["step"]
+                        return
                 else:
                     outputs = event
             if outputs is None or len(outputs) != len(pending):
@@ -265,9 +297,12 @@ class Router:
             self._counters["batches"] += 1
             self._counters["requests"] += len(pending)
         except Exception as exc:  # answer every request of the failed batch
-            self._counters["failed_batches"] += 1
             cause = getattr(exc, "cause", None) or exc
-            logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)
+            if not progressed and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+                pending = self._requeue(pending, batch.batch_id, cause)
+            if pending:
+                self._counters["failed_batches"] += 1
+                logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)
             for p in pending:
                 if p.future.done():
                     continue

@@ -37,6 +37,17 @@ def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, 
                             mesh_dim_names=("ring", "ulysses"))
 
 
+def agree_to_stop(local: bool) -> bool:
+    """Whether any rank of the replica wants to stop the running batch: one all-reduce (max) of
+    a flag over the replica's process group, called by every rank at the same step boundary,
+    so all ranks stop together (a rank that stopped alone would leave the others blocked in
+    the next collective)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

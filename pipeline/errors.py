@@ -96,6 +96,11 @@ class ServiceUnavailableError(DitServeError):
     retry_after_s = 1
 
 
+class ReplicaUnavailableError(ServiceUnavailableError):
+    """503: the replica a batch was sent to is broken or stopping and refused it before
+    running anything; the Router requeues the batch's requests rather than failing them."""
+
+
 class RequestTimeoutError(DitServeError, TimeoutError):
     """504: the request's ``timeout_s`` deadline passed before it finished."""
 

@@ -40,6 +40,14 @@ from pipeline.sampling import SamplingParams
 PRIMARY, SECONDARY = "transformer", "transformer_2"
 
 
+class BatchCancelled(Exception):
+    """The batch was stopped at a step boundary (``should_stop``); ``steps_done`` of ``steps`` ran."""
+
+    def __init__(self, steps_done: int, steps: int):
+        super().__init__(f"batch stopped after {steps_done} of {steps} steps")
+        self.steps_done, self.steps = steps_done, steps
+
+
 @dataclass
 class LoopOutput:
     """images: one float32 array in [0, 1] per request, in batch order: (n, H, W, 3) for
@@ -215,13 +223,14 @@ def _conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
 
 @torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
-                  on_guide_skipped=None, decode: bool = True) -> LoopOutput:
+                  on_guide_skipped=None, decode: bool = True, should_stop=None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
     called after each denoising step, ``on_guide_skipped(name)`` each time CFG gating skips a
     guiding forward of transformer ``name``. ``decode=False`` (sequence-parallel ranks other
-    than 0) stops after denoising and returns no images. Raises ``ValueError`` if the batch is
+    than 0) stops after denoising and returns no images. ``should_stop()`` is asked after each
+    step; when it says so the loop raises :class:`BatchCancelled`. Raises ``ValueError`` if the batch is
     empty or mixes signatures. A request whose own text fails to encode is left out (see
     ``LoopOutput.failures``); the others run exactly as they would without it.
     """
@@ -258,6 +267,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if on_step is not None:
             on_step(i + 1, num_steps)
+        if should_stop is not None and should_stop() and i + 1 < num_steps:
+            raise BatchCancelled(i + 1, num_steps)
     t1 = time.perf_counter()
     if not decode:
         return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls, failures or None)

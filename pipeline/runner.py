@@ -19,7 +19,7 @@ from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
 from pipeline.errors import InvalidRequestError
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
-from pipeline.loop import BatchSchedule, LoopOutput, denoise_batch, plan_batch
+from pipeline.loop import BatchCancelled, BatchSchedule, LoopOutput, denoise_batch, plan_batch
 from pipeline.media import encode_mp4, encode_png
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
@@ -31,6 +31,12 @@ from pipeline.wire import (AccelerationReport, Batch, CacheDiTReport, CfgGateRep
 from parallel.kernels import KERNELS
 
 logger = logging.getLogger("ditserve.runner")
+
+
+class StateTransitionError(RuntimeError):
+    """Moving a rank to a batch's state failed (a kernel that cannot run, a Cache-DiT mount
+    cache-dit refused). Raised before the denoising loop, so before any collective: when every
+    rank of a replica raises it for the same batch, the ranks are still in step."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVENTS_KEPT = 256  # state actions remembered for audits (the newest)
@@ -146,7 +152,11 @@ class BatchRunner:
         wanted = self.wanted_state(head, schedule)
         actions = plan_transition(self.state, wanted)
         for action in actions:
-            self._execute(batch_id, action, head, schedule)
+            try:
+                self._execute(batch_id, action, head, schedule)
+            except Exception as exc:
+                raise StateTransitionError(f"{action.kind} {action.target or 'default'} failed: "
+                                           f"{type(exc).__name__}: {exc}") from exc
         done = {a.target: CacheTransition(a.kind.value) for a in actions
                 if a.kind not in (ActionKind.SWITCH_KERNEL, ActionKind.COMPILE)}
         self.last_transitions = {name: done.get(name, CacheTransition.NONE) for name, _ in wanted.cache_dit}
@@ -176,16 +186,31 @@ class BatchRunner:
         if self.state.attention_backend is not None:
             self.attention.apply(self.attention.prepare(self.state.attention_backend))
 
-    def denoise(self, batch: Batch, on_step=None) -> LoopOutput:
+    def stop_check(self, local=None):
+        """The per-step stop decision of a batch: ``local()`` on a single rank; on several
+        ranks rank 0's ``local()`` agreed by all (``parallel.groups.agree_to_stop``, one small
+        all-reduce per step, every rank calling it), so every rank stops at the same step."""
+        if self.world_size == 1:
+            return local
+        from parallel.groups import agree_to_stop
+
+        return lambda: agree_to_stop(bool(local()) if local is not None else False)
+
+    def denoise(self, batch: Batch, on_step=None, should_stop=None) -> LoopOutput:
         """Move the state to the batch's signature and run the loop. Images (float32,
-        (n, H, W, 3) per request) only on rank 0. Raises whatever the model or cache-dit
-        raises, after leaving Cache-DiT unmounted."""
+        (n, H, W, 3) per request) only on rank 0. ``should_stop()``: this rank's wish to stop at
+        a step boundary (``pipeline.loop.BatchCancelled``). Raises ``StateTransitionError`` when
+        the state cannot be reached, else whatever the model or cache-dit raises, after leaving
+        Cache-DiT unmounted."""
         head = batch.requests[0]
         schedule = plan_batch(self.family, head)
         self.prepare_state(batch.batch_id, head, schedule)
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
-                                 on_guide_skipped=self._guide_skipped, decode=self.rank == 0)
+                                 on_guide_skipped=self._guide_skipped, decode=self.rank == 0,
+                                 should_stop=self.stop_check(should_stop))
+        except BatchCancelled:
+            raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception:
             self.reset_cache()
             raise
@@ -193,11 +218,11 @@ class BatchRunner:
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))
 
-    def run(self, batch: Batch, on_step=None) -> list[RequestOutput]:
+    def run(self, batch: Batch, on_step=None, should_stop=None) -> list[RequestOutput]:
         """``denoise`` then encode: one RequestOutput per request, in batch order (none on
         ranks other than 0). The caller answers every request of a failed batch."""
         head = batch.requests[0]
-        out = self.denoise(batch, on_step)
+        out = self.denoise(batch, on_step, should_stop)
         if self.rank != 0:
             return []
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from pipeline.cache_dit_actions import build_cache_config, register_blocks
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
-from pipeline.runner import BatchRunner
+from pipeline.runner import BatchRunner, StateTransitionError
 from pipeline.sampling import AccelerationDefaults, resolve
 from pipeline.state import CacheKey, CacheTransition, cache_transition
 from tests.helpers import batch_of
@@ -188,7 +188,7 @@ def test_registry_adapts_a_transformer_cache_dit_does_not_know():
     runner = BatchRunner("tiny-flux")
     transformer = runner.family.transformer
     transformer.__class__ = TinyDiT
-    with pytest.raises(ValueError, match="no adapter for TinyDiT"):
+    with pytest.raises(StateTransitionError, match="ValueError: cache-dit has no adapter for TinyDiT"):
         run(runner, {**BASE, "enable_cache_dit": True})
     register_blocks("TinyDiT", ("transformer_blocks", "single_transformer_blocks"), ("Pattern_1", "Pattern_1"))
     # per block list, like cache-dit's own Flux adapter: Fn must fit the 2 double-stream blocks

@@ -12,7 +12,7 @@ import pytest
 from ray import serve
 
 from compat.ray_serve import deploy_config
-from deployments.replica import FAULT_ENV
+from deployments.faults import FAULT_ENV
 from pipeline.contract.images import ImageGenerationResponse
 from pipeline.errors import RequestTimeoutError, ServiceUnavailableError
 from tests.helpers import post, wait_until

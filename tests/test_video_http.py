@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from deployments.jobs import JobStatus, JobStore
-from deployments.replica import FAULT_ENV
+from deployments.faults import FAULT_ENV
 from pipeline.media import decode_mp4
 from pipeline.errors import NotFoundError
 from pipeline.modes import GuidanceMode

@@ -1,0 +1,84 @@
+"""Faults inside a replica, through real Ray Serve on CPU: long batches and health checks, a
+failure on one rank of a sequence-parallel replica, callers that leave a running batch."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ray import serve
+
+from deployments.faults import RANK_FAULT_ENV
+from tests.helpers import pixels, post, router_stats, wait_until
+
+pytestmark = pytest.mark.slow
+
+SP2 = {"parallel": {"ulysses_degree": 2}, "limits": {"max_pixels": 256 * 256},
+       "replica": {"torch_threads": 1, "health_check_period_s": 0.5, "health_check_timeout_s": 1.0}}
+LONG = {"prompt": "a long one", "seed": 1, "num_inference_steps": 40, "size": "256x256"}
+
+
+def replica_ids(url) -> set[str]:
+    return set(router_stats(url)["replicas"])
+
+
+def test_a_batch_longer_than_the_health_check_budget_keeps_its_replica(deploy):
+    """Health checks every 0.5 s with a 1 s timeout, a batch of many seconds: ranks answer
+    pings from their control group while the batch runs, so the replica is never replaced."""
+    url = deploy(SP2, fresh=True)
+    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
+    before = replica_ids(url)
+    started = time.monotonic()
+    r = post(url, LONG, timeout=600)
+    took = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    assert took > 5 * 1.0  # several health-check timeouts long
+    assert r.json()["ditserve"]["replica"] in before and replica_ids(url) == before
+    deployment = serve.status().applications["ditserve"].deployments["DiTReplica"]
+    assert deployment.status == "HEALTHY"
+
+
+def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deploy):
+    """Rank 1 alone raises after step 1 while rank 0 waits in the next collective: the group is
+    broken, the batch fails (500 naming it), the replica refuses further batches (they are
+    requeued, not failed), exits, and Serve replaces it; every other request is answered 200."""
+    args = {**SP2, "replica": {**SP2["replica"], "health_check_period_s": 1.0, "health_check_timeout_s": 10.0,
+                               "ray_actor_options": {"runtime_env": {"env_vars": {RANK_FAULT_ENV: "1:steps=7 "}}}}}
+    url = deploy(args, fresh=True)
+    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
+    (first,) = replica_ids(url)
+    good = [{"prompt": f"fine {i}", "seed": i, "num_inference_steps": 2} for i in range(4)]
+    with ThreadPoolExecutor(5) as pool:
+        poisoned = pool.submit(post, url, {"prompt": "poisoned", "seed": 9, "num_inference_steps": 7}, 600)
+        time.sleep(0.5)
+        answers = list(pool.map(lambda b: post(url, b, 600), good))
+        bad = poisoned.result()
+    assert bad.status_code == 500 and "request img-" in bad.json()["error"]["message"]
+    assert [a.status_code for a in answers] == [200] * len(good), [a.text for a in answers]
+    replicas = {a.json()["ditserve"]["replica"] for a in answers}
+    assert all(a.json()["ditserve"]["world_size"] == 2 for a in answers)
+    wait_until(lambda: first not in replica_ids(url) and len(replica_ids(url)) == 1, timeout=120)
+    after = post(url, good[0], 600)
+    assert after.status_code == 200 and after.json()["ditserve"]["replica"] != first
+    assert replicas - {first}  # requests after the fault ran on the new replica
+
+
+def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
+    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 1}, "limits": {"max_pixels": 256 * 256}},
+                 fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    quick = {"prompt": "after", "seed": 5, "num_inference_steps": 3}
+    reference = post(url, quick).json()["data"][0]["b64_json"]
+    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)  # a few steps in
+    running.cancel()
+    wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) == 1, timeout=60)
+    counters = router_stats(url)["counters"]
+    assert 0 < counters["steps_saved"] < 100
+    started = time.monotonic()
+    again = post(url, quick)
+    assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
+    # the replica's state is consistent after the stopped batch: the same request, the same image
+    assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
