@@ -8,6 +8,14 @@ A config whose DiTReplica autoscales (``replica.autoscaling``) gets KubeRay's in
 autoscaler and a worker group sized from ``min_replicas`` to ``max_replicas`` replicas, so the
 pods for a replica Serve adds are created on demand and removed when idle.
 
+Every pod: Serve's proxy answers its own errors in OpenAI's envelope
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``), and the Ray dashboard listens on the pod's
+loopback only. GPU pods: an in-memory ``emptyDir`` at ``/dev/shm`` (the 64 MB default breaks
+NCCL's shared-memory transport) and a node affinity on the GPU memory NVIDIA's GPU feature
+discovery labels nodes with (``nvidia.com/gpu.memory``, MiB), so a config lands only on GPUs
+its weights fit. A config with ``auth.api_keys_env`` reads the keys from the Kubernetes Secret
+``ditserve-api-keys`` (key ``api-keys``).
+
     python k8s/generate.py          # rewrites k8s/*.rayservice.yaml
 """
 
@@ -27,6 +35,13 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
     "flux-dev-4gpu.yaml": ("ditserve-flux-dev-4gpu", 4, 1),
     "wan22-a14b-8gpu.yaml": ("ditserve-wan22-a14b-8gpu", 8, 1),
 }
+# config file -> the least GPU memory (MiB, as nvidia.com/gpu.memory reports it) its weights fit
+# in with headroom; the arithmetic is in k8s/README.md. FLUX.1-dev bf16 (transformer 23.8 GB, T5
+# 9.5 GB, CLIP and VAE) on every rank: a 48 GB-class GPU. Wan 2.2 A14B bf16 (two 14B experts
+# 57 GB, UMT5 11.4 GB) on every rank: an 80 GB-class GPU.
+MIN_GPU_MEMORY_MIB = {"flux-dev-1gpu.yaml": 45_000, "flux-dev-4gpu.yaml": 45_000, "wan22-a14b-8gpu.yaml": 79_000}
+API_KEYS_SECRET = {"name": "ditserve-api-keys", "key": "api-keys"}
+PROXY_ENV = {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": "deployments.proxy:middlewares"}
 
 
 def _per_replica(args: dict, bundle_key: str, actor_key: str, default: int) -> int:
@@ -57,18 +72,23 @@ def replica_range(args: dict) -> tuple[int, int]:
     return (replica.get("num_replicas", 1),) * 2
 
 
-def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool) -> dict:
+def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool, api_keys_env: str | None) -> dict:
     limits = {"cpu": cpu, "memory": memory}
     if gpus:
         limits["nvidia.com/gpu"] = gpus
-        container_mounts = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+        container_mounts = [{"name": "models", "mountPath": "/models", "readOnly": True},
+                            {"name": "dshm", "mountPath": "/dev/shm"}]
     else:
         container_mounts = []
+    env = [{"name": "DITSERVE_CACHE_DIR", "value": "/tmp/ditserve"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
+           PROXY_ENV]
+    if api_keys_env:
+        env.append({"name": api_keys_env, "valueFrom": {"secretKeyRef": dict(API_KEYS_SECRET)}})
     container = {
         "name": name, "image": IMAGE,
         "resources": {"limits": limits, "requests": {"cpu": cpu, "memory": memory}},
         **({"volumeMounts": container_mounts} if container_mounts else {}),
-        "env": [{"name": "DITSERVE_CACHE_DIR", "value": "/tmp/ditserve"}, {"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "env": env,
     }
     if probes:
         container["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
@@ -82,12 +102,13 @@ def manifest(config_file: str) -> dict:
     args = next(a for a in yaml.safe_load(text)["applications"]
                 if a["import_path"] == "deployments.app:build_app")["args"]
     autoscaling = bool(args.get("replica", {}).get("autoscaling"))
+    api_keys_env = args.get("auth", {}).get("api_keys_env")
     min_workers = max_workers = workers
     if autoscaling and gpus:  # pods hold whole replicas: pods follow the replica count
         pods_per_replica = gpus_per_replica(args) // gpus
         min_workers, max_workers = (n * pods_per_replica for n in replica_range(args))
     volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "ditserve-models"}}] if gpus else []
-    head = _container("ray-head", 0, "4", "16Gi", probes=True)
+    head = _container("ray-head", 0, "4", "16Gi", probes=True, api_keys_env=api_keys_env)
     if gpus:
         head["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
     head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 10,
@@ -97,7 +118,14 @@ def manifest(config_file: str) -> dict:
     # A GPU pod holds whole replicas: at least their bundles' CPUs, and 32 GiB of memory per GPU.
     worker_cpus = str(max(32, cpus_per_replica(args) * gpus // max(gpus_per_replica(args), 1))) if gpus else "4"
     worker = _container("ray-worker", gpus, worker_cpus, f"{max(128, 32 * gpus)}Gi" if gpus else "16Gi",
-                        probes=False)
+                        probes=False, api_keys_env=api_keys_env)
+    worker_volumes = volumes + ([{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}}]
+                                if gpus else [])
+    affinity = {}
+    if config_file in MIN_GPU_MEMORY_MIB:
+        affinity = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "nvidia.com/gpu.memory", "operator": "Gt",
+                                                         "values": [str(MIN_GPU_MEMORY_MIB[config_file])]}]}]}}}}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -111,14 +139,16 @@ def manifest(config_file: str) -> dict:
                 "rayVersion": RAY_VERSION,
                 **({"enableInTreeAutoscaling": True} if autoscaling else {}),
                 "headGroupSpec": {
-                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
+                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "127.0.0.1"},
                     "template": {"spec": {"containers": [head], **({"volumes": volumes} if volumes else {})}},
                 },
                 "workerGroupSpecs": [{
                     "groupName": "gpu-workers" if gpus else "cpu-workers",
                     "replicas": min_workers, "minReplicas": min_workers, "maxReplicas": max_workers,
                     "rayStartParams": {},
-                    "template": {"spec": {"containers": [worker], **({"volumes": volumes} if volumes else {}),
+                    "template": {"spec": {"containers": [worker],
+                                          **({"volumes": worker_volumes} if worker_volumes else {}),
+                                          **affinity,
                                           **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                                "effect": "NoSchedule"}]} if gpus else {})}},
                 }],
