@@ -21,6 +21,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.cli import load_serve_config  # noqa: E402
+from deployments.proxy import install as install_proxy_middleware  # noqa: E402
 from parallel.groups import free_port  # noqa: E402
 
 
@@ -61,6 +62,7 @@ def main() -> int:
     from deployments.app import build_app
 
     config = load_serve_config(ns.config)
+    install_proxy_middleware()
     ray.init(num_cpus=4, log_to_driver=False, include_dashboard=False)
     port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -13,6 +13,21 @@ from deployments.replica_chooser import StateAffinityReplicaChooser
 from deployments.router import Router
 
 SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
+# Backpressure in front of the Router. The Ingress takes as many requests at once as the app
+# admits (admission_limit); at most INGRESS_PROXY_QUEUE more wait at the door, in Serve's proxy,
+# for a slot; past that the proxy refuses at once without calling the Ingress (429 +
+# Retry-After, made an envelope by deployments.proxy): the cheapest refusal there is, which keeps
+# a 10x burst's refusals fast. Under overload, polls and stats wait or are refused the same way.
+# (Not a tiny queue: Serve counts requests that arrive together and are still being assigned as
+# queued, so it would refuse bursts the Ingress has room for.)
+INGRESS_PROXY_QUEUE = 32
+
+
+def admission_limit(config: AppConfig) -> int:
+    """Requests the app holds at once: ``max_queued_requests`` plus a full batch per replica
+    (the most replicas autoscaling may start)."""
+    replicas = config.replica.autoscaling.max_replicas if config.replica.autoscaling else config.replica.num_replicas
+    return config.batching.max_queued_requests + config.batching.max_batch_size * replicas
 
 
 def deployment_options(config: AppConfig) -> dict[str, dict]:
@@ -54,7 +69,10 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     return {"DiTReplica": replica,
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S},
             "Ingress": {"user_config": config.acceleration.model_dump(),
-                        "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S}}
+                        "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
+                        "max_ongoing_requests": admission_limit(config),
+                        "max_queued_requests": INGRESS_PROXY_QUEUE,
+                        "backpressure_config": {"status_code": 429, "retry_after_s": 1}}}
 
 
 def build_app(args: dict | AppConfig | None = None) -> Application:
@@ -71,7 +89,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
                                                      "warmup")}
     replica = DiTReplica.options(**options["DiTReplica"]).bind(
         config.model.model_dump(), config.replica.torch_threads, acceleration, config.limits.model_dump(),
-        config.parallel.model_dump(), config.replica.rank_resources)
+        config.parallel.model_dump(), config.replica.rank_resources, config.replica.cpu_nice)
     router = Router.options(**options["Router"]).bind(replica, config.replica.initial_replicas,
                                                       config.videos.model_dump())
     return Ingress.options(**options["Ingress"]).bind(router, config.model_dump(exclude={"acceleration", "batching",

@@ -20,15 +20,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
+
+from deployments.handles import router_handle
 
 # Custom metric names, as DiTReplica reports them and RouterQueuePolicy reads them.
 QUEUED_IMAGES = "router_queued_images"
 QUEUED_REQUESTS = "router_queued_requests"
-ROUTER_DEPLOYMENT = "Router"
-
-_router_handles: dict[str, Any] = {}
 
 
 async def router_queue_stats(app_name: str) -> dict[str, float]:
@@ -38,10 +36,7 @@ async def router_queue_stats(app_name: str) -> dict[str, float]:
     application ``app_name`` and not yet dispatched (a request counts ``n`` images). Raises
     whatever the handle call raises (Serve logs it and skips this sample).
     """
-    handle = _router_handles.get(app_name)
-    if handle is None:
-        handle = _router_handles[app_name] = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name)
-    depth = await handle.queue_depth.remote()
+    depth = await router_handle(app_name).queue_depth.remote()
     return {QUEUED_IMAGES: float(depth["images"]), QUEUED_REQUESTS: float(depth["requests"])}
 
 

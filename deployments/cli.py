@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from deployments.proxy import install as install_proxy_middleware
 from parallel.groups import free_port
 
 APP_NAME = "ditserve"
@@ -44,7 +46,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     if not ray.is_initialized():
         try:
             ray.init(address="auto", log_to_driver=False)
-        except ConnectionError:
+        except ConnectionError:  # a local cluster: its proxy gets ditserve's error envelopes
+            install_proxy_middleware()
             ray.init(num_cpus=num_cpus, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
@@ -59,11 +62,14 @@ def stop_app() -> None:
     ray.shutdown()
 
 
-def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: dict | None):
-    """An OpenAI client for the server at ``base_url`` and the ditserve fields for ``extra_body``."""
+def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: dict | None,
+                     api_key: str | None = None):
+    """An OpenAI client for the server at ``base_url`` (``api_key``: the server's key when it
+    has auth on; default ``$DITSERVE_API_KEY``) and the ditserve fields for ``extra_body``."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600, max_retries=0)
+    api_key = api_key or os.environ.get("DITSERVE_API_KEY") or "unused"
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600, max_retries=0)
     body = dict(extra or {})
     if seed is not None:
         body["seed"] = seed
@@ -73,9 +79,10 @@ def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: 
 
 
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
-                   seed: int | None = None, steps: int | None = None, extra: dict | None = None) -> dict:
+                   seed: int | None = None, steps: int | None = None, extra: dict | None = None,
+                   api_key: str | None = None) -> dict:
     """POST one image request with the OpenAI client, write the PNG to ``output``; return metadata."""
-    client, body = _client_and_body(base_url, seed, steps, extra)
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {"size": size} if size else {}
     response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -85,10 +92,10 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
 
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seconds: str | None = None, seed: int | None = None, steps: int | None = None,
-                   extra: dict | None = None, poll_s: float = 0.2, on_progress=None) -> dict:
+                   extra: dict | None = None, poll_s: float = 0.2, on_progress=None, api_key: str | None = None) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. Raises ``RuntimeError`` if the job fails (its error is the message)."""
-    client, body = _client_and_body(base_url, seed, steps, extra)
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     job = client.videos.create(prompt=prompt, extra_body=body, **kwargs)
     while job.status not in ("completed", "failed"):
@@ -128,7 +135,7 @@ def _cmd_generate(ns) -> int:
     extra = json.loads(ns.extra) if ns.extra else None
     try:
         meta = generate_image(ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-                              extra=extra)
+                              extra=extra, api_key=ns.api_key)
     except APIStatusError as exc:
         print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
         return 1
@@ -143,7 +150,7 @@ def _cmd_video(ns) -> int:
     extra = json.loads(ns.extra) if ns.extra else None
     try:
         job = generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
-                             steps=ns.steps, extra=extra,
+                             steps=ns.steps, extra=extra, api_key=ns.api_key,
                              on_progress=lambda j: print(f"{j.status} {j.progress}%", flush=True))
     except APIStatusError as exc:
         print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
@@ -189,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("video", help="create one video job on a running server, wait for it, save the MP4")
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
+    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_video)
 
     p = sub.add_parser("demo", help="start the app on tiny-flux, generate one image over HTTP, shut down")

@@ -189,6 +189,9 @@ class ReplicaConfig(_Strict):
     10 seconds later, so the Ingress answers the requests still queued (503).
     ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health checks of a replica
     (seconds); a replica that breaks exits, and Serve replaces it at the next check.
+    ``cpu_nice``: the replica's and its ranks' CPU priority (Unix nice, 0..19) below the
+    serving path's (proxy, Ingress, Router), so refusals, status polls and health checks are
+    answered at once while a batch computes on the same cores; 0 keeps the same priority.
     """
 
     num_replicas: int = Field(default=1, ge=1)
@@ -199,6 +202,7 @@ class ReplicaConfig(_Strict):
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
     health_check_period_s: float = Field(default=2.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
+    cpu_nice: int = Field(default=10, ge=0, le=19)
 
     @model_validator(mode="after")
     def _replicas(self):

@@ -17,7 +17,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
@@ -38,15 +38,18 @@ def _unwrap(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+_ROUTER_GONE = (RayActorError, ActorUnavailableError, ObjectRefStreamEndOfStreamError)
+
+
 def as_ditserve_error(exc: BaseException) -> DitServeError:
     """An exception as the error a client gets: a ditserve error as it is; the Router's actor
-    gone (stopping, dead, restarting) as 503 ``unavailable``; anything else as a 500 that names
-    no internals (never a trace or a path)."""
+    gone (stopping, dead, restarting; or its Serve replica ended the call's stream without an
+    answer as it stopped) as 503 ``unavailable``; anything else as a 500 that names no
+    internals (never a trace or a path)."""
     cause = _unwrap(exc)
     if isinstance(cause, DitServeError):
         return cause
-    if isinstance(cause, (RayActorError, ActorUnavailableError)) or isinstance(exc, (RayActorError,
-                                                                                    ActorUnavailableError)):
+    if isinstance(cause, _ROUTER_GONE) or isinstance(exc, _ROUTER_GONE):
         return ServiceUnavailableError("the router is unavailable (restarting or shutting down); retry shortly",
                                        code="unavailable")
     return InternalError(f"internal error ({type(cause).__name__})")
@@ -84,6 +87,33 @@ def install_error_handlers(app) -> None:
 
 
 # -- bodies ---------------------------------------------------------------------------------
+def request_body(model, *, forms: bool = False) -> dict:
+    """``openapi_extra`` publishing ``model``'s JSON schema as a route's request body in
+    ``/openapi.json`` (the routes parse their own bodies, under the caps below); ``forms``: the
+    route takes the same fields as a form too."""
+    schema = _inline_refs(model.model_json_schema())
+    content = {JSON_TYPE: {"schema": schema}}
+    if forms:
+        content.update({kind: {"schema": schema} for kind in FORM_TYPES})
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _inline_refs(schema: dict) -> dict:
+    """A pydantic JSON schema with its ``$defs`` references inlined (OpenAPI components differ)."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(dict(defs[node["$ref"].rsplit("/", 1)[1]]))
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
 def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 

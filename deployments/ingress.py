@@ -5,6 +5,7 @@ problem, and never reaches the router. Only this module maps errors to HTTP stat
 imports no torch (``tests/test_architecture.py``).
 """
 
+import asyncio
 import base64
 import time
 
@@ -12,14 +13,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from ray import serve
 
+from deployments.memory import IdleTrimmer
 from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
-                              json_or_form_body, load_api_keys)
+                              json_or_form_body, load_api_keys, request_body)
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
 from pipeline.errors import InvalidRequestError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, resolve, resolve_video
 from pipeline.wire import GenerationMetadata
+
+LEASE_RENEW_S = 1.0  # see Router.renew_lease
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
@@ -43,6 +47,27 @@ class Ingress:
         auth = config.get("auth") or {}
         keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
         api.state.api_keys = tuple(k.encode() for k in keys)
+        self._caller = serve.get_replica_context().replica_id.unique_id
+        self._lease: asyncio.Task | None = None
+        self._waiting = 0  # requests this replica has handed to the Router and not yet answered
+        self._trimmer = IdleTrimmer(lambda: self._waiting)
+
+    async def _keep_lease(self) -> None:
+        """Tell the Router every second that this replica lives, so it keeps its requests; when
+        this process dies, the Router drops (or stops) the work it was waiting for."""
+        while True:
+            try:
+                await self._router.renew_lease.remote(self._caller)
+            except Exception:  # noqa: BLE001 - the Router is restarting: renew with the next one
+                pass
+            await asyncio.sleep(LEASE_RENEW_S)
+
+    def _started(self) -> None:
+        """A request arrived: keep the Router's lease and this process's memory trimming going.
+        (Admission itself is Serve's ``max_ongoing_requests`` in front, then the Router.)"""
+        if self._lease is None:
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease())
+        self._trimmer.busy()
 
     def reconfigure(self, acceleration: dict) -> None:
         """Serve's ``user_config`` hook: new acceleration defaults apply to the next request."""
@@ -67,9 +92,14 @@ class Ingress:
         """
         started = time.perf_counter()
         limits = await self._serving_limits()
+        self._started()
         validated = validate_image_request(request, limits)
         params = resolve(validated, limits, self._defaults)
-        out = await self._call(self._router.submit, params)
+        self._waiting += 1
+        try:
+            out = await self._call(self._router.submit, params, self._caller)
+        finally:
+            self._waiting -= 1
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out.images],
@@ -83,6 +113,7 @@ class Ingress:
         """
         limits = await self._serving_limits()
         params = resolve_video(validate_video_request(request, limits), limits, self._defaults)
+        self._started()
         return await self._call(self._router.create_job, params)
 
     async def video_status(self, video_id: str) -> VideoJob:
@@ -114,12 +145,12 @@ class Ingress:
         return {"router": await self._router.stats.remote()}
 
     # -- HTTP routes --------------------------------------------------------------------
-    @api.post("/v1/images/generations")
+    @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
     async def http_generate(self, request: Request):
         body = await json_body(request, self._max_json_bytes)
         return (await self.generate(body)).model_dump()
 
-    @api.post("/v1/videos")
+    @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes)
         return (await self.submit_video(body)).model_dump()

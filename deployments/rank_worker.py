@@ -18,15 +18,17 @@ import asyncio
 import os
 
 import ray
-import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.loop import BatchCancelled
-from pipeline.runner import BatchRunner, StateTransitionError
+from pipeline.errors import BatchCancelled
+from pipeline.state import StateTransitionError
 from pipeline.wire import Batch
+
+# Light at import (no torch, no model code): rank 0 creates its rank actors before it imports
+# and loads its own model, so every rank's process starts and loads at the same time.
 
 # Seconds the other ranks get to end the same consistent way as the first rank that stopped
 # before the group is declared broken.
@@ -44,8 +46,10 @@ def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -
     return "cuda:0" if cuda_visible_set_by_ray else f"cuda:{int(gpu_ids[0])}"
 
 
-def make_runner(model: dict, acceleration: dict) -> BatchRunner:
-    """This process's BatchRunner, on this rank's device (see :func:`rank_device`)."""
+def make_runner(model: dict, acceleration: dict):
+    """This process's ``pipeline.runner.BatchRunner``, on this rank's device (see :func:`rank_device`)."""
+    from pipeline.runner import BatchRunner
+
     model = dict(model)
     model["device"] = rank_device(model.get("device", "cpu"), ray.get_gpu_ids() if ray.is_initialized() else [],
                                   not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
@@ -68,7 +72,11 @@ class RankWorker:
     the replica's health check.
     """
 
-    def __init__(self, rank: int, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None):
+    def __init__(self, rank: int, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None,
+                 cpu_nice: int = 0):
+        import torch
+
+        os.nice(cpu_nice)
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.rank = rank
@@ -112,7 +120,7 @@ class RankGroup:
     """Rank 0's view of its replica: its own runner plus the worker actors of ranks 1..N-1."""
 
     def __init__(self, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None,
-                 rank_resources: dict, name_prefix: str):
+                 rank_resources: dict, name_prefix: str, cpu_nice: int = 0):
         """Create the rank actors (they start loading at once). Raises ``ValueError`` when the
         placement group does not have one bundle per rank."""
         self.config = ParallelConfig(ulysses_degree=parallel.get("ulysses_degree", 1),
@@ -127,12 +135,12 @@ class RankGroup:
                 name=f"{name_prefix}-rank{rank}",
                 num_cpus=rank_resources.get("CPU", 1), num_gpus=rank_resources.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            ).remote(rank, model, acceleration, parallel, torch_threads)
+            ).remote(rank, model, acceleration, parallel, torch_threads, cpu_nice)
             for rank in range(1, self.config.world_size)
         ]
-        self.runner: BatchRunner | None = None
+        self.runner = None  # rank 0's BatchRunner, once joined
 
-    def join(self, runner: BatchRunner) -> None:
+    def join(self, runner) -> None:
         """Wait until every rank has loaded, then form the process group with rank 0's ``runner``.
         Raises ``ValueError`` for a layout the model cannot take; the rendezvous raises after
         ``rendezvous_timeout_s``."""

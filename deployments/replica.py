@@ -7,11 +7,11 @@ import logging
 import os
 import threading
 
-import torch
 from ray import serve
 
 from deployments.autoscaling import router_queue_stats
 from deployments.faults import batch_fault
+from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.contract.images import ImageGenerationRequest
@@ -23,6 +23,7 @@ from pipeline.wire import Batch, BatchReport, ModelFacts
 
 logger = logging.getLogger("ray.serve")
 EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its failing batch
+WANTED_POLL_S = 2.0  # a running batch asks the Router this often whether it still has a caller
 
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
@@ -64,9 +65,9 @@ class DiTReplica:
     """
 
     def __init__(self, model: dict, torch_threads: int | None = None, acceleration: dict | None = None,
-                 limits: dict | None = None, parallel: dict | None = None, rank_resources: dict | None = None):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+                 limits: dict | None = None, parallel: dict | None = None, rank_resources: dict | None = None,
+                 cpu_nice: int = 0):
+        os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
         acceleration = acceleration or {}
         self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -75,9 +76,13 @@ class DiTReplica:
         self._max_steps = int((limits or {}).get("max_steps", 100))
         self._ranks = None
         self._broken: str | None = None
-        if self._parallel.world_size > 1:  # ranks 1..N-1 start loading now, in parallel with rank 0
+        if self._parallel.world_size > 1:  # ranks 1..N-1 start and load now, while rank 0 imports and loads
             self._ranks = RankGroup(model, acceleration, parallel or {}, torch_threads, rank_resources or {"CPU": 1},
-                                    name_prefix=f"ditserve-{self._replica_id}")
+                                    name_prefix=f"ditserve-{self._replica_id}", cpu_nice=cpu_nice)
+        import torch  # not at module import, so that the rank actors above start first
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         self._runner = make_runner(model, acceleration)
         if self._ranks is not None:
             self._ranks.join(self._runner)
@@ -110,6 +115,21 @@ class DiTReplica:
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 "broken": self._broken is not None, **self._runner.state_report(), **self._runner.counters()}
+
+    async def _stop_when_unwanted(self, batch_id: str, stop: threading.Event) -> None:
+        """While a batch runs, ask the Router every ``WANTED_POLL_S`` whether it still wants it;
+        when it does not (its callers left, or the Router that sent it died and a new one does
+        not know it), stop the batch at the next step boundary."""
+        router = router_handle(serve.get_replica_context().app_name)
+        while not stop.is_set():
+            await asyncio.sleep(WANTED_POLL_S)
+            try:
+                wanted = await asyncio.wait_for(router.batch_wanted.remote(batch_id), WANTED_POLL_S)
+            except Exception:  # noqa: BLE001 - no Router answers yet (restarting): ask again
+                continue
+            if not wanted:
+                logger.warning("batch %s has no caller any more; stopping it at the next step", batch_id)
+                stop.set()
 
     def _break(self, reason: str) -> None:
         """Mark the replica unusable, stop its rank actors and exit the process shortly (after
@@ -152,6 +172,8 @@ class DiTReplica:
                 work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set))
             else:
                 work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set))
+            watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch.batch_id, stop))
+            work.add_done_callback(lambda _: watchdog.cancel())
             try:
                 while not work.done():
                     step = asyncio.ensure_future(steps.get())

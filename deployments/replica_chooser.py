@@ -20,6 +20,7 @@ from compat import ray_serve as compat
 from deployments.scheduling import ReplicaView
 from pipeline.wire import Batch
 
+ROUTES_KEPT = 1024  # batch routes remembered, for a Router asking where a refused batch went
 # (app name, deployment name) -> the live chooser of that deployment in this process.
 _CHOOSERS: dict[tuple[str, str], "StateAffinityReplicaChooser"] = {}
 
@@ -41,6 +42,8 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs):
         self._routed_state: dict[ReplicaID, str] = {}
         self._inflight: dict[str, ReplicaID] = {}
+        self._batch_replica: dict[str, ReplicaID] = {}  # batch id -> where it was routed (the newest)
+        self._excluded: set[str] = set()  # replicas that refused work as broken (unique ids)
         # Serve may load this class from a by-value pickle whose globals are a copy; register
         # in the module the Router deployment imports.
         import deployments.replica_chooser as registry
@@ -53,9 +56,25 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         return (replica.routing_stats or {}).get("signature")
 
     def replica_views(self) -> list[ReplicaView]:
+        """The replicas the Router may send batches to; a broken one is never free."""
         busy = set(self._inflight.values())
-        return [ReplicaView(r.replica_id.unique_id, self.last_signature_of(r), r.replica_id in busy)
+        live = {r.replica_id.unique_id for r in self.curr_replicas.values()}
+        self._excluded &= live  # a replaced replica leaves the set, and its exclusion with it
+        return [ReplicaView(r.replica_id.unique_id, self.last_signature_of(r),
+                            r.replica_id in busy or self._is_broken(r))
                 for r in self.curr_replicas.values()]
+
+    def exclude_replica_of(self, batch_id: str) -> str | None:
+        """Stop choosing the replica ``batch_id`` was routed to (it refused it as broken);
+        returns its id, or None when the batch's route is not known."""
+        replica_id = self._batch_replica.get(batch_id)
+        if replica_id is None:
+            return None
+        self._excluded.add(replica_id.unique_id)
+        return replica_id.unique_id
+
+    def _is_broken(self, replica: RunningReplica) -> bool:
+        return replica.replica_id.unique_id in self._excluded or bool((replica.routing_stats or {}).get("broken"))
 
     def replica_stats(self) -> dict[str, dict]:
         return {r.replica_id.unique_id: {"state": self.last_signature_of(r), **(r.routing_stats or {})}
@@ -67,6 +86,8 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         if batch is None:  # control calls (facts, stats): any replica
             return [candidate_replicas]
         signature = batch.signature.digest
+        healthy = [r for r in candidate_replicas if not self._is_broken(r)]
+        candidate_replicas = healthy or candidate_replicas  # with none left, Serve's own checks decide
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == batch.preferred_replica]
         matching = [r for r in candidate_replicas if self.last_signature_of(r) == signature and r not in preferred]
         others = [r for r in candidate_replicas if self.last_signature_of(r) != signature and r not in preferred]
@@ -77,6 +98,9 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         if batch is not None:
             self._routed_state[replica_id] = batch.signature.digest
             self._inflight[pending_request.metadata.internal_request_id] = replica_id
+            self._batch_replica[batch.batch_id] = replica_id
+            while len(self._batch_replica) > ROUTES_KEPT:  # the oldest routes go first
+                del self._batch_replica[next(iter(self._batch_replica))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._inflight.pop(internal_request_id, None)

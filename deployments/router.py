@@ -26,6 +26,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.config import BatchingConfig
 from deployments.jobs import JobStore, VideoJobs
+from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
 from pipeline.contract.videos import VideoJob
@@ -43,6 +44,9 @@ REPLICA_POLL_S = 0.1
 # A request whose batch a broken or dead replica refused before running it goes back to the
 # head of its queue at most this many times.
 MAX_REQUEUES = 2
+# A caller (an Ingress replica) renews its lease every second while it lives; its requests are
+# dropped (queued) or cancelled (running) once its lease is this old: it died with them.
+CALLER_LEASE_S = 5.0
 
 
 @dataclass(eq=False)
@@ -56,6 +60,7 @@ class _Pending:
     enqueued: float = field(default_factory=time.monotonic)
     on_progress: Callable[[int, int], None] | None = None  # (steps done, steps) while its batch runs
     requeues: int = 0  # times a replica refused its batch before running it
+    caller: str | None = None  # the Ingress replica waiting for it (None: a video job, kept here)
 
     @property
     def cost(self) -> float:
@@ -82,6 +87,9 @@ class Router:
         self._queued = 0
         self._inflight = 0
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
+        self._running: dict[str, list[_Pending]] = {}  # batch_id -> its requests, while in flight
+        self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
+        self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._facts: ModelFacts | None = None
@@ -117,21 +125,32 @@ class Router:
         return self._facts
 
     # -- admission and queues -------------------------------------------------------------
+    def _admission_limit(self) -> int:
+        """Requests held at once, queued or running: ``max_queued_requests`` plus a full batch
+        per replica (the bound the Ingress and Serve's proxy enforce in front of the Router)."""
+        replicas = len(self._replica_views() or ()) or self._capacity
+        return self._max_queued + self._max_batch_size * replicas
+
     def _admit(self, params: SamplingParams) -> None:
-        """Raise ``OverloadedError`` when ``max_queued_requests`` are waiting, counting the
-        rejection; else return."""
-        if self._queued >= self._max_queued:
+        """Raise ``OverloadedError`` when the queued and running requests reach the admission
+        limit (``max_queued_requests`` waiting beyond full batches), counting the rejection."""
+        self._trimmer.busy()
+        held = self._queued + sum(len(batch) for batch in self._running.values())
+        if held >= self._admission_limit():
             self._reject("overloaded")
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
 
-    def _enqueue(self, params: SamplingParams, on_progress=None) -> _Pending:
+    def _enqueue(self, params: SamplingParams, on_progress=None, caller: str | None = None) -> _Pending:
         """Put an admitted request in its signature's queue (no await: admission and queueing
         are one step of the event loop)."""
         if self._scheduler is None:
-            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+            loop = asyncio.get_running_loop()
+            self._scheduler = loop.create_task(self._schedule())
+            loop.create_task(self._expire_callers())
         signature = BatchSignature.of(params)
-        pending = _Pending(params, signature, asyncio.get_running_loop().create_future(), on_progress=on_progress)
+        pending = _Pending(params, signature, asyncio.get_running_loop().create_future(), on_progress=on_progress,
+                           caller=caller)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
         self._metric_queue_depth.set(len(self._queues[signature]), tags={"signature": signature.digest})
@@ -161,15 +180,50 @@ class Router:
                 pending.future.cancel()
             raise
 
-    async def submit(self, params: SamplingParams) -> RequestOutput:
-        """Queue one request and wait for its output.
+    async def submit(self, params: SamplingParams, caller: str | None = None) -> RequestOutput:
+        """Queue one request and wait for its output. ``caller``: the Ingress replica asking,
+        which keeps a lease (:meth:`renew_lease`) while it lives.
 
         Raises ``OverloadedError`` at once when ``max_queued_requests`` are waiting,
-        ``RequestTimeoutError`` when
-        ``params.timeout_s`` passes first, ``InternalError`` if its batch fails.
+        ``RequestTimeoutError`` when ``params.timeout_s`` passes first, ``InternalError`` if
+        its batch fails.
         """
         self._admit(params)
-        return await self._wait(self._enqueue(params))
+        if caller is not None:
+            self._leases.setdefault(caller, time.monotonic())
+        return await self._wait(self._enqueue(params, caller=caller))
+
+    def renew_lease(self, caller: str) -> None:
+        """A caller (an Ingress replica) is alive: keep its requests."""
+        self._leases[caller] = time.monotonic()
+
+    def batch_wanted(self, batch_id: str) -> bool:
+        """Whether a batch this Router dispatched still has a caller (a replica asks while it
+        runs one: a Router that restarted does not know the batch and answers no)."""
+        batch = self._running.get(batch_id)
+        return batch is not None and not all(p.future.done() for p in batch)
+
+    async def _expire_callers(self) -> None:
+        """Every second: the requests of callers whose lease ran out are dropped if queued,
+        cancelled if running (their batch then stops at a step boundary)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            gone = {c for c, renewed in self._leases.items() if now - renewed > CALLER_LEASE_S}
+            if not gone:
+                continue
+            for caller in gone:
+                del self._leases[caller]
+            orphans = [p for q in self._queues.values() for p in q if p.caller in gone]
+            orphans += [p for batch in self._running.values() for p in batch if p.caller in gone]
+            for p in orphans:
+                if self._forget(p):
+                    self._counters["cancelled"] += 1
+                if not p.future.done():
+                    p.future.cancel()
+            if orphans:
+                logger.warning("callers %s stopped renewing their lease: %d requests dropped", sorted(gone),
+                               len(orphans))
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or
@@ -260,6 +314,7 @@ class Router:
                       tuple(p.params for p in pending), preferred_replica=replica_id)
         if replica_id is not None:
             self._claims[batch.batch_id] = replica_id
+        self._running[batch.batch_id] = pending
         self._metric_batch_size.observe(batch.size)
         for p in pending:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
@@ -299,6 +354,9 @@ class Router:
         except Exception as exc:  # answer every request of the failed batch
             cause = getattr(exc, "cause", None) or exc
             if not progressed and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+                chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
+                if chooser is not None and isinstance(cause, ReplicaUnavailableError):
+                    chooser.exclude_replica_of(batch.batch_id)  # never choose it again
                 pending = self._requeue(pending, batch.batch_id, cause)
             if pending:
                 self._counters["failed_batches"] += 1
@@ -315,6 +373,7 @@ class Router:
                         code="batch_failed", request_id=p.params.request_id))
         finally:
             self._claims.pop(batch.batch_id, None)
+            self._running.pop(batch.batch_id, None)
             self._inflight -= 1
             self._wakeup.set()
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import datetime
 import socket
 
-import torch
-import torch.distributed as dist
-
 from parallel.config import ParallelConfig
 
 
@@ -23,6 +20,8 @@ def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, 
     """Join the replica's process group (NCCL on CUDA, gloo on CPU), set yunchang's
     Ulysses/ring groups and return a ``(ring, ulysses)`` DeviceMesh for diffusers' sharding
     hooks. Blocks until all ``world_size`` ranks have joined (raises after ``timeout_s``)."""
+    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from yunchang import set_seq_parallel_pg
 
@@ -42,6 +41,9 @@ def agree_to_stop(local: bool) -> bool:
     a flag over the replica's process group, called by every rank at the same step boundary,
     so all ranks stop together (a rank that stopped alone would leave the others blocked in
     the next collective)."""
+    import torch
+    import torch.distributed as dist
+
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -49,5 +51,7 @@ def agree_to_stop(local: bool) -> bool:
 
 
 def leave() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

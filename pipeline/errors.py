@@ -113,3 +113,12 @@ class InternalError(DitServeError):
 
     status_code = 500
     error_type = "server_error"
+
+
+class BatchCancelled(Exception):
+    """Not an answer to a client: control flow inside a replica. A running batch was stopped at
+    a step boundary because no caller wanted it any more; ``steps_done`` of ``steps`` ran."""
+
+    def __init__(self, steps_done: int, steps: int):
+        super().__init__(f"batch stopped after {steps_done} of {steps} steps")
+        self.steps_done, self.steps = steps_done, steps

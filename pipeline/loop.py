@@ -34,18 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.errors import BatchCancelled
 from pipeline.modes import DualMode
 from pipeline.sampling import SamplingParams
 
 PRIMARY, SECONDARY = "transformer", "transformer_2"
 
-
-class BatchCancelled(Exception):
-    """The batch was stopped at a step boundary (``should_stop``); ``steps_done`` of ``steps`` ran."""
-
-    def __init__(self, steps_done: int, steps: int):
-        super().__init__(f"batch stopped after {steps_done} of {steps} steps")
-        self.steps_done, self.steps = steps_done, steps
 
 
 @dataclass

@@ -19,24 +19,19 @@ from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
 from pipeline.errors import InvalidRequestError
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
-from pipeline.loop import BatchCancelled, BatchSchedule, LoopOutput, denoise_batch, plan_batch
+from pipeline.errors import BatchCancelled
+from pipeline.loop import BatchSchedule, LoopOutput, denoise_batch, plan_batch
 from pipeline.media import encode_mp4, encode_png
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
-from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, after,
-                            plan_transition)
+from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
+                            after, plan_transition)
 from pipeline.tiny.registry import resolve_checkpoint
 from pipeline.wire import (AccelerationReport, Batch, CacheDiTReport, CfgGateReport, ModelFacts, RequestOutput,
                            TransformerCacheReport)
 from parallel.kernels import KERNELS
 
 logger = logging.getLogger("ditserve.runner")
-
-
-class StateTransitionError(RuntimeError):
-    """Moving a rank to a batch's state failed (a kernel that cannot run, a Cache-DiT mount
-    cache-dit refused). Raised before the denoising loop, so before any collective: when every
-    rank of a replica raises it for the same batch, the ranks are still in step."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVENTS_KEPT = 256  # state actions remembered for audits (the newest)

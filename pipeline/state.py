@@ -16,6 +16,12 @@ from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.modes import StrEnum
 
 
+class StateTransitionError(RuntimeError):
+    """Moving a rank to a batch's state failed (a kernel that cannot run, a Cache-DiT mount
+    cache-dit refused). Raised before the denoising loop, so before any collective: when every
+    rank of a replica raises it for the same batch, the ranks are still in step."""
+
+
 class CacheTransition(StrEnum):
     """What happens to one transformer's Cache-DiT context at a batch boundary."""
 

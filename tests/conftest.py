@@ -20,6 +20,9 @@ def ray_cluster():
     import ray
     from ray import serve
 
+    from deployments.proxy import install
+
+    install()  # Serve's proxy answers its own errors in OpenAI's envelope (deployments/proxy.py)
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
     port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -15,9 +15,9 @@ from pipeline.cache_dit_actions import build_cache_config, register_blocks
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
-from pipeline.runner import BatchRunner, StateTransitionError
+from pipeline.runner import BatchRunner
 from pipeline.sampling import AccelerationDefaults, resolve
-from pipeline.state import CacheKey, CacheTransition, cache_transition
+from pipeline.state import CacheKey, CacheTransition, StateTransitionError, cache_transition
 from tests.helpers import batch_of
 from tests.helpers import pixels as png_pixels
 

@@ -104,6 +104,7 @@ def ops_cluster():
     # exists; processes that connect with an explicit address must say so (README).
     env["RAY_AUTH_MODE"] = "token"
     env["RAY_metrics_report_interval_ms"] = "1000"  # export every second rather than every 10 s
+    env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = "deployments.proxy:middlewares"
     head = subprocess.Popen(
         [str(a) for a in [BIN / "ray", "start", "--head", "--block", "--temp-dir", tmp, "--num-cpus", "8", "--num-gpus", "0",
          "--node-ip-address", "127.0.0.1", "--port", port["gcs"], "--node-manager-port", port["node_manager"],

@@ -85,21 +85,28 @@ def test_starved_queue_is_served_within_its_bound(url):
 
 
 def test_overflow_is_429_without_touching_replicas(deploy):
+    """The app holds max_queued_requests plus a full batch per replica (2 + 4 here), queued or
+    running; a few more wait at the door (Serve's proxy queue) and the rest are refused at once
+    with 429 + Retry-After in OpenAI's envelope, never reaching a replica."""
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
                   "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}, fresh=True)
-    with ThreadPoolExecutor(4) as pool:
+    router = serve.get_deployment_handle("Router", "ditserve")  # the Ingress is full: ask the Router itself
+    held = lambda: router.stats.remote().result()  # noqa: E731
+    with ThreadPoolExecutor(48) as pool:
         running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **SLOW})
-        wait_until(lambda: stats(url)["inflight_batches"] == 1)
-        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(2)]
-        wait_until(lambda: stats(url)["queued"] == 2)
-        over = post(url, {"prompt": "one too many", "seed": 9, **FAST})
-        assert over.status_code == 429
-        assert over.headers["retry-after"] == "1"
-        assert over.json()["error"]["type"] == "rate_limit_error"
+        wait_until(lambda: held()["inflight_batches"] == 1)
+        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(5)]
+        wait_until(lambda: held()["queued"] == 5)
+        flood = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": 100 + i, **FAST}, 600), range(40)))
+        refused = [r for r in flood if r.status_code == 429]
+        assert len(refused) >= 40 - 32, [r.status_code for r in flood]  # the door holds at most 32
+        for r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
+        assert {r.status_code for r in flood} <= {200, 429}
         assert all(f.result().status_code == 200 for f in [running, *queued])
-    counters = stats(url)["counters"]
-    assert counters["rejected_overloaded"] == 1
-    assert counters["requests"] == 3  # the rejected one never reached a replica
+    served = sum(r.status_code == 200 for r in flood)
+    wait_until(lambda: held()["counters"].get("requests", 0) == 6 + served)  # the refused never ran
 
 
 def test_handle_cancel_and_deadline_remove_queued_requests(deploy):

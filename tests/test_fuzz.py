@@ -1,0 +1,23 @@
+"""A bounded run of bench/fuzz.py against real Ray Serve: generated requests from the published
+schemas, their mutations, arbitrary JSON and raw bytes get no 5xx, always OpenAI's envelope on
+errors, and an answer within 5 s. (``bench/fuzz.py`` runs >= 2000 cases per route.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fuzz import IMAGE_ARGS, VIDEO_ARGS, fuzz_route
+
+pytestmark = pytest.mark.slow
+
+CASES = 150
+
+
+@pytest.mark.parametrize("args, route, form", [(IMAGE_ARGS, "/v1/images/generations", False),
+                                               (VIDEO_ARGS, "/v1/videos", True)], ids=["images", "videos"])
+def test_generated_requests_never_break_the_server(deploy, args, route, form):
+    url = deploy(args)
+    result = fuzz_route(url, route, CASES, form=form, seed=1)
+    assert not result["failures"], (result["failures"], result["examples"])
+    assert sum(result["statuses"].values()) == CASES
+    assert result["statuses"].get(400, 0) > 0 and result["statuses"].get(200, 0) > 0  # both kinds were reached

@@ -1,0 +1,127 @@
+"""The Ingress under abuse, through real Ray Serve and HTTP: body caps, media types, malformed
+bodies, authentication, and the proxy's own errors, every answer in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from openai import AuthenticationError, OpenAI
+
+from deployments.proxy import OpenAIErrorEnvelope
+from tests.helpers import TINY_ARGS
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-0123456789"
+LIMITS = {"max_json_body_bytes": 4096, "max_body_bytes": 65536}
+
+
+def envelope(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.fixture(scope="module")
+def url(deploy, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("auth") / "keys"
+    keys.write_text(f"{KEY}\nsk-other\n")
+    return deploy({**TINY_ARGS, "limits": LIMITS, "auth": {"api_keys_file": str(keys)}})
+
+
+@pytest.fixture(scope="module")
+def authed(url):
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def test_keys_are_required_and_compared(url, authed):
+    body = {"prompt": "a red circle", "seed": 1, "num_inference_steps": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+        r = httpx.post(f"{url}/v1/images/generations", json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and envelope(r)["code"] == "invalid_api_key"
+    assert authed.post("/v1/images/generations", json=body).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
+    for path in ("/docs", "/redoc", "/openapi.json", "/v1/models", "/v1/stats", "/v1/videos/x"):
+        assert httpx.get(f"{url}{path}", timeout=60).status_code == 401, path
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert client.images.generate(prompt="a", response_format="b64_json",
+                                  extra_body={"num_inference_steps": 2}).data
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).images.generate(prompt="a")
+
+
+def test_bodies_over_the_cap_are_413_before_parsing(authed):
+    big = b'{"prompt": "' + b"x" * 10_000 + b'"}'
+    r = authed.post("/v1/images/generations", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and envelope(r)["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the cap applies while reading
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = authed.post("/v1/images/generations", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = authed.post("/v1/videos", content=b"x" * 70_000, headers={"content-type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 413  # forms have the larger cap, uploads included, and still one
+    assert authed.post("/v1/images/generations", json={"prompt": "after", "num_inference_steps": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "application/xml"])
+def test_generations_take_json_only(authed, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = authed.post("/v1/images/generations", content=b'{"prompt": "a"}', headers=headers)
+    assert r.status_code == 415 and envelope(r)["code"] == "unsupported_media_type"  # no CSRF by simple POST
+
+
+def test_malformed_bodies_are_400_envelopes(authed):
+    deep = "[" * 1900 + "]" * 1900  # under the 4 KB cap, deeper than the JSON parser goes
+    r = authed.post("/v1/images/generations", content=deep.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and envelope(r)["code"] == "invalid_json"
+    r = authed.post("/v1/videos", content=b"--b\r\nContent-Disposition: form-data; name=\r\n",
+                    headers={"content-type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 400 and envelope(r)["code"] in ("invalid_form", "wrong_endpoint")
+    r = authed.post("/v1/images/generations", content=b'{"prompt": "\\ud800"}',
+                    headers={"content-type": "application/json"})  # a lone surrogate, escaped in JSON
+    error = envelope(r)
+    assert r.status_code == 400 and error["param"] == "prompt" and "surrogate" in error["message"]
+    r = authed.post("/v1/images/generations", json={"prompt": "a", "guidance_scale": 3.5e38})
+    assert r.status_code == 400 and envelope(r)["param"] == "guidance_scale"
+    r = authed.get("/v1/videos/x/remix")
+    assert r.status_code == 404 and envelope(r)["code"] == "not_found"
+    r = authed.put("/v1/images/generations", json={})
+    assert r.status_code == 405 and envelope(r)["code"] == "method_not_allowed"
+
+
+def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
+    """What Serve's proxy answers by itself (backpressure, a dead Ingress) is plain text: the
+    middleware makes it OpenAI's envelope, keeping the status and Retry-After, and leaves JSON alone."""
+
+    async def plain(scope, receive, send):
+        status = int(scope["path"].strip("/"))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain"), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": b"Request dropped due to backpressure (actor 1.2.3.4)"})
+
+    async def json_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {"message": "ours"}}'})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(plain)), base_url="http://t") as c:
+            answers = {s: await c.get(f"/{s}") for s in (429, 500, 503, 408)}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(json_app)),
+                                     base_url="http://t") as c:
+            ours = await c.get("/")
+        return answers, ours
+
+    answers, ours = asyncio.run(run())
+    for status, r in answers.items():
+        error = envelope(r)
+        assert r.status_code == status and "1.2.3.4" not in r.text and error["code"]
+    assert answers[429].headers["retry-after"] == "1" and envelope(answers[429])["type"] == "rate_limit_error"
+    assert ours.json() == {"error": {"message": "ours"}}
