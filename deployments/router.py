@@ -89,6 +89,7 @@ class Router:
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
         self._running: dict[str, list[_Pending]] = {}  # batch_id -> its requests, while in flight
         self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
+        self._reached = time.monotonic()  # when a caller last reached this Router (submit or renewal)
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -190,12 +191,12 @@ class Router:
         """
         self._admit(params)
         if caller is not None:
-            self._leases.setdefault(caller, time.monotonic())
+            self._reached = self._leases[caller] = time.monotonic()  # a submit renews its lease
         return await self._wait(self._enqueue(params, caller=caller))
 
     def renew_lease(self, caller: str) -> None:
         """A caller (an Ingress replica) is alive: keep its requests."""
-        self._leases[caller] = time.monotonic()
+        self._reached = self._leases[caller] = time.monotonic()
 
     def batch_wanted(self, batch_id: str) -> bool:
         """Whether a batch this Router dispatched still has a caller (a replica asks while it
@@ -205,10 +206,19 @@ class Router:
 
     async def _expire_callers(self) -> None:
         """Every second: the requests of callers whose lease ran out are dropped if queued,
-        cancelled if running (their batch then stops at a step boundary)."""
+        cancelled if running (their batch then stops at a step boundary).
+
+        Leases run out only while some caller still reaches this Router. When none has for a
+        whole lease, the Router is the one cut off: Serve stops routing to a replica it is
+        stopping (``serve.delete``, a redeploy) before its graceful shutdown, and that shutdown
+        lets the running batch finish; expiring every lease then would turn it into a 503.
+        The cost: the requests of a sole Ingress replica that died stay until its replacement
+        (or any other caller) renews."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            if now - self._reached > CALLER_LEASE_S:
+                continue
             gone = {c for c, renewed in self._leases.items() if now - renewed > CALLER_LEASE_S}
             if not gone:
                 continue

@@ -155,11 +155,14 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
 def test_shutdown_answers_every_queued_request(deploy):
     """Each request accepted before the app is deleted gets exactly one answer: the running
     batch's image, and for the queued ones a 503 in OpenAI's envelope (the Ingress answers for
-    the stopped Router)."""
+    the stopped Router). The running batch outlasts the callers' lease (5 s, which nobody can
+    renew with a Router that Serve has stopped routing to): it still finishes (CI's slower
+    machine once turned it into a 503)."""
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
-                                              "graceful_shutdown_timeout_s": 10}}, fresh=True)
+                                              "graceful_shutdown_timeout_s": 30},
+                  "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
-    busy = handle.generate.remote({"prompt": "busy", "seed": 0, **SLOW})
+    busy = handle.generate.remote({"prompt": "busy", "seed": 0, **SLOW, "num_inference_steps": 180})  # ~9 s
     wait_until(lambda: stats(url)["inflight_batches"] == 1)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
