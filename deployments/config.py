@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from parallel.kernels import kernel_names
+from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import parse_size
 
@@ -28,6 +28,9 @@ class ModelConfig(_Strict):
     # Execution mode of a second transformer: "boundary" (Wan 2.2 experts, the default when
     # the pipeline has a boundary_ratio) or "paired"; null: what the checkpoint declares.
     dual_transformer: Literal["boundary", "paired"] | None = None
+    # Decode one sample at a time (diffusers' VAE slicing): decode memory bounded by one
+    # sample, for large n x size (configs/flux-dev-4gpu.yaml); same pixels.
+    vae_slicing: bool = False
 
 
 class LimitsConfig(_Strict):
@@ -258,3 +261,19 @@ class AppConfig(_Strict):
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     videos: VideoJobsConfig = Field(default_factory=VideoJobsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+
+    @model_validator(mode="after")
+    def _default_kernel(self):
+        """The default kernel must run on the configured device, dtype and parallel layout, by
+        the rules a request's override is checked with; whether its package is installed is
+        checked where the replica starts (this file may be read on a node without GPU packages)."""
+        name = self.acceleration.attention_backend
+        if name is not None:
+            problems = default_kernel_rejections(name, device_type=self.model.device.split(":")[0],
+                                                 dtype=self.model.dtype, ring_degree=self.parallel.ring_degree,
+                                                 check_installed=False)
+            if problems:
+                raise ValueError(f"acceleration.attention_backend={name!r} cannot run with model.device="
+                                 f"{self.model.device!r}, model.dtype={self.model.dtype!r}, parallel.ring_degree="
+                                 f"{self.parallel.ring_degree}: " + "; ".join(problems))
+        return self

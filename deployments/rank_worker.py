@@ -8,7 +8,8 @@ rank has loaded, all join one torch.distributed group (the rendezvous waits only
 the sequence; only rank 0 decodes.
 
 Failures: a batch that fails on any rank, other than the same state-transition failure on
-every rank before any collective, leaves the group unusable (ranks may be blocked in a
+every rank before any collective or a failure rank 0 shares with every rank (``SharedFailure``),
+leaves the group unusable (ranks may be blocked in a
 collective); :class:`RankGroup` reports it as :class:`GroupBroken` and the replica is replaced.
 """
 
@@ -23,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.errors import BatchCancelled
+from pipeline.errors import BatchCancelled, SharedFailure
 from pipeline.state import StateTransitionError
 from pipeline.wire import Batch
 
@@ -34,7 +35,7 @@ from pipeline.wire import Batch
 # before the group is declared broken.
 SAME_FAILURE_GRACE_S = 30.0
 # Ways a batch can end on every rank that leave the ranks in step.
-CONSISTENT = (StateTransitionError, BatchCancelled)
+CONSISTENT = (StateTransitionError, BatchCancelled, SharedFailure)
 
 
 def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -> str:
@@ -46,8 +47,10 @@ def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -
     return "cuda:0" if cuda_visible_set_by_ray else f"cuda:{int(gpu_ids[0])}"
 
 
-def make_runner(model: dict, acceleration: dict):
-    """This process's ``pipeline.runner.BatchRunner``, on this rank's device (see :func:`rank_device`)."""
+def make_runner(model: dict, acceleration: dict, rank: int = 0):
+    """This process's ``pipeline.runner.BatchRunner``, on this rank's device (see
+    :func:`rank_device`); ranks other than 0 load the transformers alone (rank 0 encodes the
+    prompts for every rank and decodes alone)."""
     from pipeline.runner import BatchRunner
 
     model = dict(model)
@@ -55,7 +58,8 @@ def make_runner(model: dict, acceleration: dict):
                                   not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
     return BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
                        torch_compile=acceleration.get("torch_compile", False),
-                       compile_backend=acceleration.get("compile_backend", "inductor"))
+                       compile_backend=acceleration.get("compile_backend", "inductor"),
+                       components="all" if rank == 0 else "denoiser")
 
 
 class GroupBroken(RuntimeError):
@@ -81,12 +85,13 @@ class RankWorker:
             torch.set_num_threads(torch_threads)
         self.rank = rank
         self.config = ParallelConfig(**{k: v for k, v in parallel.items() if k in ("ulysses_degree", "ring_degree")})
-        self.runner = make_runner(model, acceleration)
+        self.runner = make_runner(model, acceleration, rank)
 
     @ray.method(concurrency_group="control")
     def ready(self) -> int:
-        """Returns once the model is loaded (the actor's constructor has finished)."""
-        return self.rank
+        """Returns once the model is loaded (the actor's constructor has finished): the bytes
+        of the weights this rank holds."""
+        return self.runner.parameter_bytes()
 
     @ray.method(concurrency_group="batch")
     def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> int:
@@ -139,6 +144,7 @@ class RankGroup:
             for rank in range(1, self.config.world_size)
         ]
         self.runner = None  # rank 0's BatchRunner, once joined
+        self.parameter_bytes: list[int] = []  # per rank, once joined
 
     def join(self, runner) -> None:
         """Wait until every rank has loaded, then form the process group with rank 0's ``runner``.
@@ -147,7 +153,9 @@ class RankGroup:
         problems = self.config.startup_problems(num_heads=runner.family.num_attention_heads)
         if problems:
             raise ValueError("bad parallel layout: " + "; ".join(problems))
-        ray.get([w.ready.remote() for w in self.workers])  # loading takes as long as it takes
+        runner.check_default_kernel(self.config.ring_degree)  # before waiting for the other ranks
+        loaded = ray.get([w.ready.remote() for w in self.workers])  # loading takes as long as it takes
+        self.parameter_bytes = [runner.parameter_bytes(), *loaded]
         address, port = ray.util.get_node_ip_address(), free_port()
         joined = [w.join.remote(address, port, self.rendezvous_timeout_s) for w in self.workers]
         mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)

@@ -86,6 +86,7 @@ class DiTReplica:
         self._runner = make_runner(model, acceleration)
         if self._ranks is not None:
             self._ranks.join(self._runner)
+        self._parameter_bytes = self._ranks.parameter_bytes if self._ranks else [self._runner.parameter_bytes()]
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
@@ -114,7 +115,8 @@ class DiTReplica:
 
     def record_routing_stats(self) -> dict:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
-                "broken": self._broken is not None, **self._runner.state_report(), **self._runner.counters()}
+                "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
+                **self._runner.state_report(), **self._runner.counters()}
 
     async def _stop_when_unwanted(self, batch_id: str, stop: threading.Event) -> None:
         """While a batch runs, ask the Router every ``WANTED_POLL_S`` whether it still wants it;

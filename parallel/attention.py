@@ -1,20 +1,43 @@
 """Attention over a sequence sharded across ranks, through yunchang's LongContextAttention.
 
 Kernels: on CUDA each request name runs the yunchang ``AttnType`` of its ``parallel.kernels``
-entry (the default: ``torch_sdpa``'s). On CPU every name runs PyTorch math attention. yunchang's TORCH_MATH returns a zero log-sum-exp,
-which is only right with ``ring_degree == 1``; for ring attention ditserve passes yunchang
-:func:`lse_math_attention` through its ``attn_processor`` hook, an exact kernel that returns
-the real log-sum-exp, so ring parallelism is correct (and tested) on CPU.
+entry (the default: ``torch_sdpa``'s). On CPU every name runs PyTorch math attention.
+
+Ring attention merges each rank's partial result by its log-sum-exp (LSE), which must be the
+exact float32 LSE of the real queries (:func:`usp_kernel` decides per kernel):
+
+- flash-attn returns one (``ring_lse="exact"``): yunchang's FA kernel is used as it is;
+- torch's memory-efficient SDPA (yunchang's TORCH_EFFICIENT) returns its LSE padded to a
+  multiple of 32 queries on CUDA, and yunchang casts it to the inputs' dtype (bf16): the
+  merge then fails to broadcast whenever the per-rank sequence is not a multiple of 32, and
+  merges a rounded LSE when it is. ditserve calls the kernel itself
+  (:func:`efficient_attention_lse`) and slices and upcasts the LSE (:func:`exact_lse`);
+- yunchang's TORCH_MATH returns a zero LSE: ditserve's :func:`lse_math_attention` computes
+  the real one (on CPU every ring layout runs it).
+
+The callables reach yunchang through its ``attn_processor`` hook (``compat.yunchang``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from compat import torch as torch_compat
 from compat import yunchang as compat
 from parallel.kernels import KERNELS
 
 DEFAULT_KERNEL = "torch_sdpa"  # what a layer without an override runs under sequence parallelism
+LSE_ALIGNMENT = 32  # queries the CUDA memory-efficient kernel pads its LSE to (PyTorch's kAlignLSE)
+
+
+def exact_lse(lse: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """A kernel's log-sum-exp as ring merges need it: (B, H, S_padded) of any float dtype →
+    (B, H, ``num_queries``) float32, the rows of the real queries. PyTorch's CUDA
+    memory-efficient attention returns ``ceil(S / 32) · 32`` rows (``kAlignLSE`` in
+    ``aten/src/ATen/native/transformers/cuda/attention.cu``); the padding rows hold no LSE."""
+    return lse[..., :num_queries].float()
 
 
 def lse_math_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -34,6 +57,36 @@ def lse_math_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return out.transpose(1, 2).to(q.dtype), lse
 
 
+def efficient_attention_lse(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, return_softmax=False, **_):
+    """PyTorch's memory-efficient SDPA (CUDA) with the LSE ring merges need.
+
+    q, k, v: (B, S, H, D) float16/bfloat16 on CUDA; returns out (B, S, H, D) in q's dtype and
+    lse (B, H, S) float32 (:func:`exact_lse` of the kernel's padded LSE).
+    """
+    out, lse = torch_compat.efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                dropout_p, causal, softmax_scale)
+    return out.transpose(1, 2), exact_lse(lse, q.shape[1])
+
+
+# ring_lse of a kernel -> the callable that gives ring attention its exact LSE on CUDA
+RING_PROCESSORS: dict[str, Callable] = {"padded": efficient_attention_lse, "computed": lse_math_attention}
+
+
+def usp_kernel(name: str | None, device_type: str, ring_degree: int) -> tuple[str | None, Callable | None]:
+    """How kernel ``name`` (None: the default) runs under yunchang: ``(AttnType name, None)``
+    or ``(None, attn_processor)``. Raises ``ValueError`` for a kernel that cannot give a ring
+    layout its LSE (startup and request checks refuse it before this is reached)."""
+    spec = KERNELS[name or DEFAULT_KERNEL]
+    if device_type != "cuda":
+        return ("TORCH_MATH", None) if ring_degree == 1 else (None, lse_math_attention)
+    if ring_degree == 1 or spec.ring_lse == "exact":
+        return spec.yunchang, None
+    if spec.ring_lse not in RING_PROCESSORS:
+        raise ValueError(f"{spec.name} gives ring attention no log-sum-exp (ring_degree={ring_degree})")
+    return None, RING_PROCESSORS[spec.ring_lse]
+
+
 class USPAttention:
     """One yunchang ``LongContextAttention`` per kernel, built on first use (after the groups exist)."""
 
@@ -43,15 +96,10 @@ class USPAttention:
         self._layers: dict = {}
 
     def _layer(self, name: str | None):
-        key = name if self.device_type == "cuda" else "cpu"
+        attn_type, processor = usp_kernel(name, self.device_type, self.ring_degree)
+        key = attn_type or processor.__name__
         if key not in self._layers:
-            if self.device_type == "cuda" and not (name == "torch_math" and self.ring_degree > 1):
-                layer = compat.long_context_attention(KERNELS[name or DEFAULT_KERNEL].yunchang)
-            elif self.ring_degree == 1:
-                layer = compat.long_context_attention("TORCH_MATH")
-            else:  # exact log-sum-exp for ring merges (compat.yunchang says how it reaches yunchang)
-                layer = compat.long_context_attention(None, attn_processor=lse_math_attention)
-            self._layers[key] = layer
+            self._layers[key] = compat.long_context_attention(attn_type, attn_processor=processor)
         return self._layers[key]
 
     def __call__(self, query, key, value, kernel: str | None = None):

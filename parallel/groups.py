@@ -50,6 +50,17 @@ def agree_to_stop(local: bool) -> bool:
     return bool(flag.item())
 
 
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank of the replica's process group (pickled; every rank
+    calls it at the same point, the others passing None). Tensors inside should be on the
+    host: each rank moves them to its own device."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def leave() -> None:
     import torch.distributed as dist
 

@@ -12,8 +12,12 @@ is the name of yunchang's ``AttnType`` that runs the kernel over a sharded seque
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
+
+# import name -> distribution name, where they differ
+DISTRIBUTIONS = {"flash_attn": "flash-attn", "sageattention": "sageattention", "sageattn3": "sageattn3"}
 
 
 @dataclass(frozen=True)
@@ -22,10 +26,17 @@ class KernelSpec:
 
     ``package``: the module it imports (None: part of torch). ``cuda_only``: needs a CUDA
     device. ``dtypes``: the dtypes it runs (None: any). ``exact``: computes exact softmax
-    attention (False: quantised, e.g. SageAttention). ``exact_lse``: its yunchang kernel
-    returns the exact float32 log-sum-exp ring attention merges partial results by (False:
-    none, zeros, or a padded one), so it may serve ``ring_degree > 1``. ``hub_only``: diffusers
-    offers it only as a kernel downloaded at run time, which ditserve never does.
+    attention (False: quantised, e.g. SageAttention). ``hub_only``: diffusers offers it only as
+    a kernel downloaded at run time, which ditserve never does. ``versions``: the versions of
+    ``package`` it may run with (a pip specifier; None: any).
+
+    ``ring_lse``: how ring attention gets the float32 log-sum-exp it merges partial results by
+    (yunchang's ``update_out_and_lse``) when this kernel runs on CUDA: ``"exact"`` — the
+    yunchang kernel returns it (flash-attn); ``"padded"`` — torch's memory-efficient kernel
+    returns it padded to a multiple of 32 queries, ``parallel.attention`` slices and upcasts
+    it (yunchang's TORCH_EFFICIENT would pass it on padded and cast to bf16); ``"computed"``
+    — ``parallel.attention`` computes it (exact math attention); None — there is none, so the
+    kernel cannot run a ring layout.
     """
 
     name: str
@@ -35,22 +46,26 @@ class KernelSpec:
     cuda_only: bool = False
     dtypes: tuple[str, ...] | None = None
     exact: bool = True
-    exact_lse: bool = False
+    ring_lse: str | None = None
     hub_only: bool = False
+    versions: str | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {spec.name: spec for spec in (
+    # flash-attn: >= 2.7 for the API yunchang calls; < 2.10 because yunchang 0.6 picks that API
+    # by comparing version *strings* (flash_attn.__version__ < '2.6.3'), which '2.10' passes.
     KernelSpec("fa", "flash", "FA", package="flash_attn", cuda_only=True, dtypes=("float16", "bfloat16"),
-               exact_lse=True),
-    KernelSpec("torch_sdpa", "native", "TORCH_EFFICIENT"),
+               ring_lse="exact", versions=">=2.7,<2.10"),
+    KernelSpec("torch_sdpa", "native", "TORCH_EFFICIENT", ring_lse="padded"),
+    # SageAttention: diffusers 0.42 needs >= 2.1.1 (_REQUIRED_SAGE_VERSION); PyPI only has 1.0.6.
     KernelSpec("sage_attn", "sage", "SAGE_AUTO", package="sageattention", cuda_only=True,
-               dtypes=("float16", "bfloat16"), exact=False),
+               dtypes=("float16", "bfloat16"), exact=False, versions=">=2.1.1"),
     # SageAttention 3 (Blackwell FP4): diffusers ships it only as "sage_blackwell_hub", a hub
     # kernel downloaded at run time; ditserve never downloads, so it is always refused.
     KernelSpec("sage_attn_3", "sage_blackwell_hub", None, package="sageattn3", cuda_only=True,
                dtypes=("float16", "bfloat16"), exact=False, hub_only=True),
     # PyTorch's exact math SDPA: the CPU-capable kernel.
-    KernelSpec("torch_math", "_native_math", "TORCH_MATH"),
+    KernelSpec("torch_math", "_native_math", "TORCH_MATH", ring_lse="computed"),
 )}
 
 
@@ -64,9 +79,55 @@ def kernel_for_backend(diffusers_backend: str | None) -> str | None:
     return next((s.name for s in KERNELS.values() if s.diffusers_backend == diffusers_backend), None)
 
 
+def _runs_here(spec: KernelSpec, device_type: str, dtype: str) -> list[str]:
+    """Why ``spec`` cannot run on this device and dtype (registry facts and the import check)."""
+    reasons = []
+    if spec.hub_only:
+        reasons.append(f"{spec.name} has no local diffusers backend (only the run-time hub download "
+                       f"{spec.diffusers_backend!r}, which ditserve does not allow)")
+    elif spec.package is not None:
+        installed = installed_version(spec.package)
+        if installed is None and importlib.util.find_spec(spec.package) is None:
+            reasons.append(f"package {spec.package!r} is not installed (README: GPU kernels)")
+        elif problem := version_problem(spec, installed):
+            reasons.append(problem)
+    if spec.cuda_only and device_type != "cuda":
+        reasons.append(f"{spec.name} needs a CUDA device; this replica runs on {device_type}")
+    if spec.dtypes is not None and dtype not in spec.dtypes:
+        reasons.append(f"{spec.name} supports {', '.join(spec.dtypes)}, not {dtype}")
+    return reasons
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of the distribution that provides import name ``package``."""
+    try:
+        return importlib.metadata.version(DISTRIBUTIONS.get(package, package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem(spec: KernelSpec, installed: str | None) -> str | None:
+    """Why version ``installed`` of ``spec.package`` cannot serve the kernel (None: it can,
+    or the kernel takes any version)."""
+    if spec.versions is None or installed is None:
+        return None
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = Version(installed) in SpecifierSet(spec.versions)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return None
+    return (f"{DISTRIBUTIONS.get(spec.package, spec.package)} {installed} is installed; {spec.name} needs "
+            f"{spec.versions} (README: GPU kernels)")
+
+
 def kernel_rejections(name: str, *, device_type: str, dtype: str, torch_compile: bool, num_layers: int,
                       ring_degree: int = 1) -> list[str]:
-    """Every reason kernel ``name`` cannot run on a replica of this kind (empty: it can).
+    """Every reason a request may not switch to kernel ``name`` on a replica of this kind
+    (empty: it may).
 
     ``device_type``: ``"cuda"`` or ``"cpu"``; ``dtype``: the transformer's dtype name
     (``"bfloat16"``); ``num_layers``: switchable attention layers. Checks here need no torch:
@@ -83,13 +144,27 @@ def kernel_rejections(name: str, *, device_type: str, dtype: str, torch_compile:
         reasons.append("the model has no switchable attention layers")
     if ring_degree > 1:
         reasons.append(f"the replica runs ring attention (ring_degree={ring_degree}); the kernel is fixed")
-    if spec.hub_only:
-        reasons.append(f"{name} has no local diffusers backend (only the run-time hub download "
-                       f"{spec.diffusers_backend!r}, which ditserve does not allow)")
-    elif spec.package is not None and importlib.util.find_spec(spec.package) is None:
-        reasons.append(f"package {spec.package!r} is not installed (pip install 'ditserve[gpu]')")
-    if spec.cuda_only and device_type != "cuda":
-        reasons.append(f"{name} needs a CUDA device; this replica runs on {device_type}")
-    if spec.dtypes is not None and dtype not in spec.dtypes:
-        reasons.append(f"{name} supports {', '.join(spec.dtypes)}, not {dtype}")
+    return reasons + _runs_here(spec, device_type, dtype)
+
+
+def default_kernel_rejections(name: str, *, device_type: str, dtype: str, ring_degree: int = 1,
+                              check_installed: bool = True) -> list[str]:
+    """Every reason the server's default kernel ``name`` (``acceleration.attention_backend``)
+    cannot run on replicas of this kind: the same device, dtype and package rules as a
+    request's override, and, under ring attention on CUDA, a way to get an exact float32
+    log-sum-exp (``KernelSpec.ring_lse``). The default is set once at startup, so the
+    switching rules (torch.compile, a fixed kernel under ring) do not apply.
+    ``check_installed=False`` skips the import check (a config read where the GPU packages
+    are not installed, e.g. the head node).
+    """
+    spec = KERNELS.get(name)
+    if spec is None:
+        return [f"unknown attention backend {name!r}; allowed: {', '.join(KERNELS)}"]
+    reasons = _runs_here(spec, device_type, dtype)
+    if not check_installed:
+        reasons = [r for r in reasons if "is not installed" not in r]
+    if ring_degree > 1 and device_type == "cuda" and spec.ring_lse is None:
+        reasons.append(f"{name} gives ring attention no log-sum-exp to merge partial results by "
+                       f"(ring_degree={ring_degree}); use one of "
+                       f"{', '.join(n for n, s in KERNELS.items() if s.ring_lse)}")
     return reasons

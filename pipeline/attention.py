@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from compat import diffusers as compat
-from parallel.kernels import KERNELS, kernel_rejections
+from parallel.kernels import KERNELS, default_kernel_rejections, kernel_rejections
 
 
 def switchable_layers(module: torch.nn.Module) -> list:
@@ -22,16 +22,34 @@ def switchable_layers(module: torch.nn.Module) -> list:
 
 def replica_kernel_rejections(name: str, *, device: torch.device, dtype: torch.dtype, torch_compile: bool,
                               num_layers: int, ring_degree: int = 1) -> list[str]:
-    """Every reason kernel ``name`` cannot run on this replica: the registry's checks
-    (``parallel.kernels.kernel_rejections``) plus diffusers' own requirement check of its backend."""
-    reasons = kernel_rejections(name, device_type=device.type, dtype=str(dtype).removeprefix("torch."),
+    """Every reason a request may not switch to kernel ``name`` on this replica: the
+    registry's checks (``parallel.kernels.kernel_rejections``) plus diffusers' own requirement
+    check of its backend (a package version below diffusers' minimum, e.g. sageattention 1.x)."""
+    reasons = kernel_rejections(name, device_type=device.type, dtype=_dtype_name(dtype),
                                 torch_compile=torch_compile, num_layers=num_layers, ring_degree=ring_degree)
+    return reasons + _diffusers_problem(name, reasons)
+
+
+def default_kernel_problems(name: str, *, device: torch.device, dtype: torch.dtype, ring_degree: int = 1) -> list[str]:
+    """Every reason the server's default kernel ``name`` cannot run on this replica: the
+    rules of a request's override that do not concern switching
+    (``parallel.kernels.default_kernel_rejections``) plus diffusers' requirement check."""
+    reasons = default_kernel_rejections(name, device_type=device.type, dtype=_dtype_name(dtype),
+                                        ring_degree=ring_degree)
+    return reasons + _diffusers_problem(name, reasons)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _diffusers_problem(name: str, reasons: list[str]) -> list[str]:
+    """diffusers' own check of kernel ``name``'s backend, unless already refused as missing."""
     spec = KERNELS.get(name)
-    if spec is not None and not spec.hub_only and not any("not installed" in r for r in reasons):
-        problem = compat.backend_problem(spec.diffusers_backend)
-        if problem:
-            reasons.append(f"diffusers cannot use it: {problem}")
-    return reasons
+    if spec is None or spec.hub_only or any("not installed" in r for r in reasons):
+        return []
+    problem = compat.backend_problem(spec.diffusers_backend)
+    return [f"diffusers cannot use it: {problem}"] if problem else []
 
 
 class AttentionSwitch:

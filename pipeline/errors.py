@@ -122,3 +122,10 @@ class BatchCancelled(Exception):
     def __init__(self, steps_done: int, steps: int):
         super().__init__(f"batch stopped after {steps_done} of {steps} steps")
         self.steps_done, self.steps = steps_done, steps
+
+
+class SharedFailure(RuntimeError):
+    """A step every rank of a sequence-parallel replica takes together failed on rank 0 (the
+    encode of a batch's prompts, which rank 0 does for all): every rank raises it at the same
+    point, so the ranks stay in step and the replica keeps serving. The batch's requests get
+    a 500."""

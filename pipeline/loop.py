@@ -169,6 +169,14 @@ def check_homogeneous(batch: list[SamplingParams]) -> SamplingParams:
     return batch[0]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has run every kernel queued so far (CUDA only; CPU work is
+    synchronous). Called at step and phase boundaries, never per layer, so progress and the
+    ``denoise_ms`` / ``decode_ms`` timings follow the GPU rather than the host enqueueing ahead."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def encode_isolating(family, texts: list[str]):
     """Encode ``texts`` in one call; if that fails, encode each alone to find the ones that fail.
 
@@ -189,7 +197,7 @@ def encode_isolating(family, texts: list[str]):
         return None, failures
 
 
-def _conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
+def conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
     """Encoded prompts (and negative prompts when a step guides on them) of ``batch``, one row
     per sample, with the requests whose own text failed to encode isolated.
 
@@ -217,14 +225,16 @@ def _conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
 
 @torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
-                  on_guide_skipped=None, decode: bool = True, should_stop=None) -> LoopOutput:
+                  on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
     called after each denoising step, ``on_guide_skipped(name)`` each time CFG gating skips a
     guiding forward of transformer ``name``. ``decode=False`` (sequence-parallel ranks other
     than 0) stops after denoising and returns no images. ``should_stop()`` is asked after each
-    step; when it says so the loop raises :class:`BatchCancelled`. Raises ``ValueError`` if the batch is
+    step; when it says so the loop raises :class:`BatchCancelled`. ``encode``: how the
+    prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
+    encodes on rank 0 and broadcasts). Raises ``ValueError`` if the batch is
     empty or mixes signatures. A request whose own text fails to encode is left out (see
     ``LoopOutput.failures``); the others run exactly as they would without it.
     """
@@ -232,7 +242,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     t0 = time.perf_counter()
     schedule = schedule or plan_batch(family, head)
     plan, scheduler, gate_at = schedule.plan, schedule.scheduler, schedule.gate_at
-    keep, cond, uncond, failures = _conditioning(family, batch, plan)
+    keep, cond, uncond, failures = encode(family, batch, plan)
     if not keep:
         return LoopOutput([None] * len(batch), (time.perf_counter() - t0) * 1e3, 0.0, 0, failures=failures)
     kept = [batch[i] for i in keep]
@@ -260,13 +270,15 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
                 on_guide_skipped(step.guide)
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if on_step is not None:
+            synchronize(latents.device)  # progress is steps the GPU has finished
             on_step(i + 1, num_steps)
         if should_stop is not None and should_stop() and i + 1 < num_steps:
             raise BatchCancelled(i + 1, num_steps)
+    synchronize(latents.device)
     t1 = time.perf_counter()
     if not decode:
         return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls, failures or None)
-    images = family.decode(latents, head)
+    images = family.decode(latents, head)  # returns host numpy arrays: the device has finished
     t2 = time.perf_counter()
     splits = np.cumsum([0, *counts])
     per_request: list[np.ndarray | None] = [None] * len(batch)

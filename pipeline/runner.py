@@ -14,13 +14,13 @@ from collections import deque
 
 import torch
 
-from pipeline.attention import AttentionSwitch, replica_kernel_rejections
+from compat import torch as torch_compat
+from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import InvalidRequestError
+from pipeline.errors import BatchCancelled, InvalidRequestError, SharedFailure
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
-from pipeline.errors import BatchCancelled
-from pipeline.loop import BatchSchedule, LoopOutput, denoise_batch, plan_batch
+from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, plan_batch
 from pipeline.media import encode_mp4, encode_png
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
@@ -33,6 +33,18 @@ from parallel.kernels import KERNELS
 
 logger = logging.getLogger("ditserve.runner")
 
+
+def configure_compile(device: torch.device) -> None:
+    """cache-dit's recommended torch.compile settings (``cache_dit.set_compile_configs``):
+    above all dynamo's recompile limit 8 → 1024, since every Cache-DiT mount, unmount and
+    remount changes the hooks a compiled transformer runs through; past the limit dynamo
+    would run the model uncompiled and only log it. Inductor's descent tuning only on CUDA
+    (its settings are for triton kernels)."""
+    import cache_dit
+
+    cache_dit.set_compile_configs(descent_tuning=device.type == "cuda")
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVENTS_KEPT = 256  # state actions remembered for audits (the newest)
 
@@ -44,23 +56,29 @@ class BatchRunner:
     ``torch_compile``: compile each transformer once, after Cache-DiT is mounted when wanted;
     ``compile_backend`` is ``torch.compile``'s backend ("inductor"; "eager" for cheap tests).
     ``dual_transformer``: the execution mode of a second transformer (Wan: ``boundary`` or
-    ``paired``; None: what the checkpoint declares). Raises ``FileNotFoundError`` /
-    ``ValueError`` when the checkpoint cannot be found or served.
+    ``paired``; None: what the checkpoint declares). ``components``: ``"all"``, or
+    ``"denoiser"`` on sequence-parallel ranks other than 0 (no text encoders, no VAE: rank 0
+    encodes for every rank and decodes alone). ``vae_slicing``: decode one sample at a time.
+    Raises ``FileNotFoundError`` / ``ValueError`` when the checkpoint cannot be found or served.
     """
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None, *,
-                 attention_backend: str | None = None, torch_compile: bool = False,
-                 compile_backend: str = "inductor"):
+                 dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None,
+                 vae_slicing: bool = False, *, attention_backend: str | None = None, torch_compile: bool = False,
+                 compile_backend: str = "inductor", components: str = "all"):
         checkpoint = resolve_checkpoint(name, path)
         self.name = name
         self.family_name = family or detect_family(checkpoint)
         options = {"dual_transformer": dual_transformer} if dual_transformer else {}
         self.family: ModelFamily = load_family(self.family_name, checkpoint, torch_dtype=DTYPES[dtype],
-                                               device=device, **options)
+                                               device=device, components=components, vae_slicing=vae_slicing,
+                                               **options)
+        self.components = components
         self.default_kernel = attention_backend
         self.torch_compile = torch_compile
         self.compile_backend = compile_backend
+        if torch_compile:
+            configure_compile(torch.device(self.family.device))
         self.rank, self.world_size = 0, 1
         transformers = self.family.transformers
         self.cache = {name: CacheDiTExecutor(module) for name, module in transformers.items()}
@@ -71,7 +89,22 @@ class BatchRunner:
         self.run_steps: dict[str, list[int]] = {}  # of the last batch: transformer -> step indices
         self.last_transitions: dict[str, CacheTransition] = {}
         if attention_backend is not None:
+            self.check_default_kernel()
             self._execute("startup", Action(ActionKind.SWITCH_KERNEL, attention_backend), None, None)
+
+    def check_default_kernel(self, ring_degree: int = 1) -> None:
+        """Refuse to start with a default kernel (``acceleration.attention_backend``) that no
+        batch could run, by the rules a request's override is checked with
+        (``pipeline.attention.default_kernel_problems``). Raises ``ValueError`` naming the
+        kernel and every reason."""
+        if self.default_kernel is None:
+            return
+        problems = default_kernel_problems(self.default_kernel, device=torch.device(self.family.device),
+                                           dtype=self.family.dtype, ring_degree=ring_degree)
+        if problems:
+            raise ValueError(f"acceleration.attention_backend={self.default_kernel!r} cannot run on this replica "
+                             f"({self.family.device}, {str(self.family.dtype).removeprefix('torch.')}): "
+                             + "; ".join(problems))
 
     # -- what the Ingress and the Router see -------------------------------------------------
     def facts(self, ring_degree: int = 1, max_steps: int = 100) -> ModelFacts:
@@ -92,11 +125,20 @@ class BatchRunner:
             scm_preset_steps=preset_step_counts(max_steps))
 
     def counters(self) -> dict:
+        """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's
+        record of this process (``compat.torch.dynamo_counts``: graphs compiled, frames that hit
+        the recompile limit and run uncompiled)."""
         total = {"compiles": self.compiles, "attention_switches": self.attention.switches}
+        if self.torch_compile:
+            total.update(torch_compat.dynamo_counts())
         for executor in self.cache.values():
             for key, value in executor.counters.items():
                 total[key] = total.get(key, 0) + value
         return total
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's loaded weights (``/v1/stats``: ``parameter_bytes_per_rank``)."""
+        return self.family.parameter_bytes()
 
     def state_report(self) -> dict:
         """The state for ``/v1/stats``: the primary transformer's Cache-DiT key and the kernel."""
@@ -174,6 +216,7 @@ class BatchRunner:
         problems = config.startup_problems(num_heads=self.family.num_attention_heads)
         if problems:
             raise ValueError("; ".join(problems))
+        self.check_default_kernel(config.ring_degree)
         self.rank = rank
         self.world_size = config.world_size
         self.family.enable_sequence_parallel(config, mesh, rank)
@@ -203,12 +246,38 @@ class BatchRunner:
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped, decode=self.rank == 0,
-                                 should_stop=self.stop_check(should_stop))
+                                 should_stop=self.stop_check(should_stop),
+                                 encode=conditioning if self.world_size == 1 else self._shared_conditioning)
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception:
             self.reset_cache()
             raise
+
+    def _shared_conditioning(self, family, batch, plan):
+        """``pipeline.loop.conditioning`` on a sequence-parallel replica: rank 0 encodes and
+        broadcasts the result (on the host) to every rank, which needs no text encoder. A
+        failure of the encode itself reaches every rank as :class:`SharedFailure`, so all
+        ranks end the batch the same way and the group stays in step."""
+        from parallel.groups import broadcast_object
+
+        if self.rank == 0:
+            try:
+                keep, cond, uncond, failures = conditioning(family, batch, plan)
+            except Exception as exc:
+                broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+                raise SharedFailure(f"encoding the batch's prompts failed: {type(exc).__name__}: {exc}") from exc
+            broadcast_object(("ok", keep, None if cond is None else cond.to("cpu"),
+                              None if uncond is None else uncond.to("cpu"),
+                              {i: field for i, (field, _) in failures.items()}))
+            return keep, cond, uncond, failures
+        payload = broadcast_object(None)
+        if payload[0] == "error":
+            raise SharedFailure(f"encoding the batch's prompts failed on rank 0: {payload[1]}")
+        _, keep, cond, uncond, fields = payload
+        device = self.family.device
+        return (keep, None if cond is None else cond.to(device), None if uncond is None else uncond.to(device),
+                {i: (field, None) for i, field in fields.items()})
 
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))

@@ -179,6 +179,31 @@ def test_compile_happens_after_mount_and_only_once():
     assert "torch.compile" in " ".join(facts.attention_rejections["torch_math"])
 
 
+def test_switching_cache_dit_keys_under_compile_stays_compiled():
+    """cache-dit's compile settings lift dynamo's recompile limit (8) that every mount,
+    unmount and remount would use up, after which dynamo silently runs the model uncompiled;
+    ``/v1/stats`` counts compiled graphs and recompile-limit hits."""
+    import torch._dynamo.config as dynamo_config
+
+    from compat.torch import dynamo_counts
+
+    hits_before = dynamo_counts()["recompile_limit_hits"]  # dynamo's counters are per process
+    runner = BatchRunner("tiny-flux", torch_compile=True, compile_backend="eager")
+    assert dynamo_config.recompile_limit > 8
+    on = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams.model_validate(STATIC_FAST))
+    presets = ["fast", "medium", "slow", "ultra"]
+    for i in range(12):  # 12 state changes: more than dynamo's default limit of 8
+        body = {**BASE, "num_inference_steps": (4, 6)[i % 2], "seed": i}  # steps the presets take
+        if i % 3 == 2:
+            run(runner, body)  # exact: unmount
+        else:
+            run(runner, {**body, "cache_dit_params": {**STATIC_FAST, "scm_preset": presets[i % 4]}}, defaults=on)
+    counters = runner.counters()
+    assert runner.compiles == 1 and counters["compiled_graphs"] > 0
+    assert counters["recompile_limit_hits"] == hits_before and counters["recompile_limit"] == dynamo_config.recompile_limit
+    assert sum(counters.get(k, 0) for k in ("mounts", "remounts", "refreshes", "unmounts")) >= 9
+
+
 def test_registry_adapts_a_transformer_cache_dit_does_not_know():
     from diffusers import FluxTransformer2DModel
 

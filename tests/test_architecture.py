@@ -71,7 +71,8 @@ def test_private_apis_go_through_compat():
     private = ("_cp_plan", "_attention_backend", "_AttentionBackendRegistry", "_check_attention_backend_requirements",
                "_cached_context_manager", "_context_manager", "_replicas_list", "_deployment_id",
                "_get_global_client", "_pack_latents", "_unpack_latents", "_prepare_latent_image_ids",
-               "_get_t5_prompt_embeds", "_get_qkv_projections", "_modeling_parallel")
+               "_get_t5_prompt_embeds", "_get_qkv_projections", "_modeling_parallel",
+               "_scaled_dot_product_efficient_attention")
     used = re.compile(r"(?<![\w])(" + "|".join(private) + r")\b")  # the bare private name, not a wrapper's
     for package in ("pipeline", "parallel", "deployments", "bench", "tests", "examples"):
         for path in _sources(package):

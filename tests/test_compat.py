@@ -13,10 +13,12 @@ from compat import Reliance, missing
 from compat import cache_dit as cache_dit_compat
 from compat import diffusers as diffusers_compat
 from compat import ray_serve as ray_serve_compat
+from compat import torch as torch_compat
 from compat import yunchang as yunchang_compat
 
 
-@pytest.mark.parametrize("module", [diffusers_compat, cache_dit_compat, yunchang_compat, ray_serve_compat],
+@pytest.mark.parametrize("module", [diffusers_compat, cache_dit_compat, yunchang_compat, ray_serve_compat,
+                                    torch_compat],
                          ids=lambda m: m.DISTRIBUTION)
 def test_every_reliance_is_present(module):
     problems = module.check()
@@ -59,3 +61,22 @@ def test_cache_dit_accessors_on_a_mounted_transformer():
     cache_dit_compat.advance_one_call(transformer)
     executor.unmount()
     assert not cache_dit_compat.is_mounted(transformer)
+
+
+def test_dynamo_counts_a_frame_past_the_recompile_limit():
+    """Past ``recompile_limit`` dynamo runs a frame uncompiled and only warns; the count that
+    ``/v1/stats`` reports (``recompile_limit_hits``) sees it."""
+    import torch._dynamo
+
+    def scaled(x):
+        return x * 2 + 1
+
+    before = torch_compat.dynamo_counts()
+    compiled = torch.compile(scaled, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.int32):  # a recompile each
+            assert torch.equal(compiled(torch.ones(3, dtype=dtype)), scaled(torch.ones(3, dtype=dtype)))
+        after = torch_compat.dynamo_counts()
+    assert after["recompile_limit_hits"] > before["recompile_limit_hits"]
+    assert after["compiled_graphs"] >= before["compiled_graphs"] + 2 and after["recompile_limit"] == 2
+    torch._dynamo.reset()

@@ -97,3 +97,22 @@ def test_one_guided_step_through_our_loop(family):
     assert out.steps == 1 and sum(out.calls.values()) == 2  # the conditional and the guiding forward
     frames = (p.num_frames,) if family.temporal_factor else ()
     assert out.images[0].shape == (1, *frames, p.height, p.width, 3)
+
+
+def test_denoiser_ranks_load_no_encoders_and_decode_slices_the_same(family, request):
+    """Sequence-parallel ranks other than 0 load the transformers alone (``components=
+    "denoiser"``): fewer bytes, the same geometry. VAE slicing decodes the same pixels."""
+    path = EMBEDDED[request.node.callspec.params["family"]].build()
+    denoiser = load_family(family.family, path, torch_dtype=torch.float32, device="cpu", components="denoiser")
+    assert getattr(denoiser.pipe, "vae", None) is None and getattr(denoiser.pipe, "text_encoder", None) is None
+    assert 0 < denoiser.parameter_bytes() < family.parameter_bytes()
+    assert (denoiser.spatial_factor, denoiser.temporal_factor) == (family.spatial_factor, family.temporal_factor)
+    assert list(denoiser.transformers) == list(family.transformers)
+    with pytest.raises(ValueError, match="components must be one of all, denoiser"):
+        load_family(family.family, path, torch_dtype=torch.float32, device="cpu", components="text")
+
+    sliced = load_family(family.family, path, torch_dtype=torch.float32, device="cpu", vae_slicing=True)
+    p = _params(family, "", 1)
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    latents, _ = family.prepare_latents(generators, [1, 1], p)
+    assert np.abs(sliced.decode(latents, p) - family.decode(latents, p)).max() <= 1e-5

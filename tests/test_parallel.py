@@ -149,6 +149,10 @@ def test_sp_replica_serves_and_rejects_up_front(deploy):
     r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
     assert r.status_code == 200 and r.json()["ditserve"]["world_size"] == 2
     assert np.abs(_png(r) - one).max() <= 1  # same image, up to PNG rounding
+    # rank 1 loads the transformer alone: rank 0 encodes, broadcasts the embeddings and decodes
+    (replica,) = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"].values()
+    rank0, rank1 = replica["parameter_bytes_per_rank"]
+    assert 0 < rank1 < rank0
     before = httpx.get(f"{url}/v1/stats").json()["router"]["counters"].get("requests", 0)
     r = httpx.post(f"{url}/v1/images/generations", json={**body, "attention_backend_override": "torch_math"})
     assert r.status_code == 400 and "ring_degree=2" in r.json()["error"]["message"]

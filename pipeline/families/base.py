@@ -31,6 +31,9 @@ class Conditioning(Protocol):
         """Rows ``index`` (an int64 tensor of sample indices), e.g. to repeat a request's
         prompt for each of its ``n`` samples."""
 
+    def to(self, device: torch.device | str) -> "Conditioning":
+        """The same conditioning on ``device`` (rank 0 encodes and sends it to the others)."""
+
 
 @runtime_checkable
 class ModelFamily(Protocol):
@@ -47,9 +50,14 @@ class ModelFamily(Protocol):
     max_sequence_length: int                # text tokens per prompt (L)
 
     @classmethod
-    def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, **options) -> "ModelFamily":
-        """Load a diffusers checkpoint directory. ``options`` are family-specific (Wan:
-        ``dual_transformer``). Raises ``ValueError`` when the checkpoint does not fit."""
+    def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",
+                        vae_slicing: bool = False, **options) -> "ModelFamily":
+        """Load a diffusers checkpoint directory onto ``device`` (:func:`load_pipeline`).
+        ``components``: ``"all"``, or ``"denoiser"`` for the transformers alone (no text
+        encoders, no VAE: sequence-parallel ranks other than 0, which neither encode nor
+        decode). ``vae_slicing``: decode one sample at a time (bounded decode memory for
+        large ``n``). ``options`` are family-specific (Wan: ``dual_transformer``). Raises
+        ``ValueError`` when the checkpoint does not fit."""
 
     @property
     def transformers(self) -> dict[str, torch.nn.Module]:
@@ -113,6 +121,48 @@ class ModelFamily(Protocol):
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
         """Shard every transformer's sequence across the ranks of ``mesh`` (``parallel/``)."""
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights (parameters and buffers) this process has loaded."""
+
+
+COMPONENTS = ("all", "denoiser")
+
+
+def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, components: str = "all",
+                  encoders: tuple[str, ...] = (), vae_cls=None, vae_dtype: torch.dtype | None = None,
+                  vae_slicing: bool = False):
+    """A diffusers pipeline loaded straight onto ``device`` with diffusers' ``device_map``
+    (each component goes from the checkpoint to the device, so host memory never holds the
+    whole pipeline). ``components="denoiser"`` leaves out ``encoders`` (the text encoders and
+    the VAE, by component name). ``vae_cls``/``vae_dtype``: load the VAE in its own dtype
+    (Wan's VAE in float32, as diffusers' Wan examples do). Raises ``ValueError`` for an
+    unknown ``components``."""
+    if components not in COMPONENTS:
+        raise ValueError(f"components must be one of {', '.join(COMPONENTS)}, got {components!r}")
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is not None:
+        torch.cuda.set_device(target)  # diffusers' device_map takes "cuda": the current device
+    kwargs: dict[str, Any] = {name: None for name in encoders} if components == "denoiser" else {}
+    if vae_dtype is not None and "vae" not in kwargs:
+        kwargs["vae"] = vae_cls.from_pretrained(str(path), subfolder="vae", dtype=vae_dtype, device_map=target.type)
+    pipe = pipeline_cls.from_pretrained(str(path), dtype=torch_dtype, device_map=target.type, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    if vae_slicing and pipe.vae is not None:
+        pipe.vae.enable_slicing()
+    return pipe
+
+
+def vae_config(pipe, path, vae_cls) -> dict:
+    """The VAE's config: the loaded VAE's, or read from the checkpoint when it was left out."""
+    vae = getattr(pipe, "vae", None)
+    return dict(vae.config) if vae is not None else dict(vae_cls.load_config(str(path), subfolder="vae"))
+
+
+def parameter_bytes(pipe) -> int:
+    """Bytes of every parameter and buffer of the pipeline's loaded modules."""
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
 def tokenizer_special_tokens(*tokenizers) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import count_blocks, tokenizer_special_tokens
+from pipeline.families.base import count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -31,9 +31,16 @@ class FluxConditioning:
     def select(self, index: torch.Tensor) -> "FluxConditioning":
         return FluxConditioning(self.prompt_embeds[index], self.pooled[index], self.text_ids)
 
+    def to(self, device) -> "FluxConditioning":
+        return FluxConditioning(self.prompt_embeds.to(device), self.pooled.to(device), self.text_ids.to(device))
+
 
 class FluxFamily:
-    """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers)."""
+    """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers).
+
+    ``vae_scale_factor``: pixels per latent pixel, from the VAE's config (also when the VAE is
+    not loaded: ``components="denoiser"``).
+    """
 
     family = "flux"
     pipeline_classes = ("FluxPipeline",)
@@ -42,32 +49,35 @@ class FluxFamily:
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
     temporal_factor = 0                     # images only
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.device = pipe.transformer.device
         self.dtype = pipe.transformer.dtype
+        self.vae_scale_factor = vae_scale_factor
         # FluxPipeline caps T5 at 512 tokens; a checkpoint may ship a shorter tokenizer.
         self.max_sequence_length = min(512, int(pipe.tokenizer_2.model_max_length))
 
     @classmethod
-    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu") -> "FluxFamily":
-        from diffusers import FluxPipeline
+    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
+                        vae_slicing: bool = False) -> "FluxFamily":
+        from diffusers import AutoencoderKL, FluxPipeline
 
-        pipe = FluxPipeline.from_pretrained(str(path), dtype=torch_dtype)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe)
+        pipe = load_pipeline(FluxPipeline, path, torch_dtype=torch_dtype, device=device, components=components,
+                             encoders=("text_encoder", "text_encoder_2", "vae"), vae_slicing=vae_slicing)
+        # as FluxPipeline computes it from a loaded VAE
+        factor = 2 ** (len(vae_config(pipe, path, AutoencoderKL)["block_out_channels"]) - 1)
+        return cls(pipe, factor)
+
+    def parameter_bytes(self) -> int:
+        return parameter_bytes(self.pipe)
 
     # -- static facts the ingress validates against -------------------------------------
-    @property
-    def vae_scale_factor(self) -> int:
-        return self.pipe.vae_scale_factor
 
     @property
     def spatial_factor(self) -> int:
         """Width and height must be multiples of this (pixels): VAE factor × 2×2 packing."""
-        return self.pipe.vae_scale_factor * 2
+        return self.vae_scale_factor * 2
 
     @property
     def guidance_embeds(self) -> bool:

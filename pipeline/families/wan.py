@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import count_blocks, tokenizer_special_tokens
+from pipeline.families.base import count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -31,6 +31,9 @@ class WanConditioning:
     def select(self, index: torch.Tensor) -> "WanConditioning":
         return WanConditioning(self.prompt_embeds[index])
 
+    def to(self, device) -> "WanConditioning":
+        return WanConditioning(self.prompt_embeds.to(device))
+
 
 class WanFamily:
     """Adapter over a loaded ``diffusers.WanPipeline``.
@@ -39,15 +42,19 @@ class WanFamily:
     ``boundary_ratio`` is set: Wan 2.2 A14B experts) or ``PAIRED`` (declared by the
     checkpoint's ``ditserve.json`` ``{"dual_transformer": "paired"}`` or the serve config's
     ``model.dual_transformer``). Raises ``ValueError`` when the mode needs a
-    ``transformer_2`` the checkpoint lacks.
+    ``transformer_2`` the checkpoint lacks. The VAE runs in float32 whatever the transformers'
+    dtype (as diffusers' Wan examples load it); its scale factors come from its config, also
+    when it is not loaded (``components="denoiser"``).
     """
 
     family = "wan"
     pipeline_classes = ("WanPipeline",)
     guidance_embeds = False
 
-    def __init__(self, pipe, dual_transformer: str | None = None):
+    def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe
+        self.vae_scale_factor_spatial = int(vae["scale_factor_spatial"])
+        self.vae_scale_factor_temporal = int(vae["scale_factor_temporal"])
         self.transformer = pipe.transformer
         self.transformer_2 = pipe.transformer_2
         self.device = pipe.transformer.device
@@ -67,28 +74,31 @@ class WanFamily:
         self.guidance_style = GuidanceMode.AUTOGUIDANCE if mode == DualMode.PAIRED else GuidanceMode.CFG
 
     @classmethod
-    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu",
-                        dual_transformer: str | None = None) -> "WanFamily":
-        from diffusers import WanPipeline
+    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
+                        vae_slicing: bool = False, dual_transformer: str | None = None) -> "WanFamily":
+        from diffusers import AutoencoderKLWan, WanPipeline
 
         sidecar = Path(path) / "ditserve.json"
         if dual_transformer is None and sidecar.exists():
             dual_transformer = json.loads(sidecar.read_text()).get("dual_transformer")
-        pipe = WanPipeline.from_pretrained(str(path), dtype=torch_dtype)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, dual_transformer)
+        pipe = load_pipeline(WanPipeline, path, torch_dtype=torch_dtype, device=device, components=components,
+                             encoders=("text_encoder", "vae"), vae_cls=AutoencoderKLWan, vae_dtype=torch.float32,
+                             vae_slicing=vae_slicing)
+        return cls(pipe, vae_config(pipe, path, AutoencoderKLWan), dual_transformer)
+
+    def parameter_bytes(self) -> int:
+        return parameter_bytes(self.pipe)
 
     # -- static facts the ingress validates against -------------------------------------
     @property
     def spatial_factor(self) -> int:
         """Width and height must be multiples of this (pixels): VAE factor × patch size."""
-        return self.pipe.vae_scale_factor_spatial * int(self.transformer.config.patch_size[1])
+        return self.vae_scale_factor_spatial * int(self.transformer.config.patch_size[1])
 
     @property
     def temporal_factor(self) -> int:
         """num_frames must be ``temporal_factor · k + 1`` (Wan's VAE: 4)."""
-        return int(self.pipe.vae_scale_factor_temporal)
+        return int(self.vae_scale_factor_temporal)
 
     @property
     def transformers(self) -> dict[str, torch.nn.Module]:
@@ -140,7 +150,7 @@ class WanFamily:
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (self.transformer.config.in_channels, self.latent_frames(params.num_frames),
-                 params.height // self.pipe.vae_scale_factor_spatial, params.width // self.pipe.vae_scale_factor_spatial)
+                 params.height // self.vae_scale_factor_spatial, params.width // self.vae_scale_factor_spatial)
         noise = [randn_tensor((count, *shape), generator=g, device=self.device, dtype=torch.float32)
                  for g, count in zip(generators, counts, strict=True)]
         return torch.cat(noise), None
