@@ -1,8 +1,9 @@
 """Middleware for Serve's HTTP proxy: the errors the proxy answers itself, as OpenAI envelopes.
 
-Ray Serve's proxy answers some requests without reaching the Ingress: 503 when the Ingress's
-own queue is full (``max_queued_requests``, the cheap first line of backpressure), 500 when the
-Ingress process died holding the request, 408 on its request timeout. Those bodies are plain
+Ray Serve's proxy answers some requests without reaching the Ingress: 429 when the Ingress's
+own queue is full (``max_queued_requests``, the cheap first line of backpressure; the status
+is the Ingress's ``backpressure_config``), 500 when the Ingress process died holding the
+request, 408 on its request timeout. Those bodies are plain
 text; this middleware rewrites every error response that is not already JSON into OpenAI's
 error envelope, with ``Retry-After`` kept, and never echoes Serve's message (it can name
 actors, processes and addresses).
