@@ -26,8 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.cli import load_serve_config  # noqa: E402
-from deployments.proxy import install as install_proxy_middleware  # noqa: E402
-from parallel.groups import free_port  # noqa: E402
+from bench import local_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"replica": "configs/tiny-cpu.yaml", "rank": "configs/tiny-cpu-sp2.yaml",
@@ -66,12 +65,8 @@ def run_fault(fault: str, clients: int, warmup_s: float, after_s: float) -> dict
     from deployments.app import build_app
 
     config = load_serve_config(ROOT / CONFIGS[fault])
-    install_proxy_middleware()
-    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     results, stop, killed_at = [], threading.Event(), []
-    try:
+    with local_serve(8) as port:
         serve.run(build_app(config["args"]), name="ditserve", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/images/generations"
 
@@ -102,9 +97,6 @@ def run_fault(fault: str, clients: int, warmup_s: float, after_s: float) -> dict
         for t in threads:
             t.join(timeout=CLIENT_TIMEOUT_S + 10)
         hung = sum(t.is_alive() for t in threads)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     kill = killed_at[0]
     after = [r for r in results if r[0] >= kill - 30]
     first_ok = min((r[1] for r in results if r[2] == 200 and r[0] >= kill), default=None)

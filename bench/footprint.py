@@ -21,8 +21,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.cli import load_serve_config  # noqa: E402
-from deployments.proxy import install as install_proxy_middleware  # noqa: E402
-from parallel.groups import free_port  # noqa: E402
+from bench import local_serve  # noqa: E402
 
 
 def serve_processes() -> dict[str, int]:
@@ -56,17 +55,12 @@ def main() -> int:
     parser.add_argument("--config", default="configs/tiny-cpu.yaml")
     ns = parser.parse_args()
 
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
     config = load_serve_config(ns.config)
-    install_proxy_middleware()
-    ray.init(num_cpus=4, log_to_driver=False, include_dashboard=False)
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
+    with local_serve(4) as port:
         serve.run(build_app(config["args"]), name="ditserve", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/images/generations"
         r = httpx.post(url, json={"prompt": "a red circle", "seed": 1, "num_inference_steps": 2}, timeout=300)
@@ -75,9 +69,6 @@ def main() -> int:
         print(f"{'process':44s} {'RSS MiB':>8s}  torch")
         for title, pid in sorted(serve_processes().items()):
             print(f"{title:44s} {rss_mib(pid):8.1f}  {'yes' if loads_torch(pid) else 'no'}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return 0
 
 

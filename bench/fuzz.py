@@ -135,19 +135,13 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=2000, help="generated requests per route (and per encoding)")
     ns = ap.parse_args()
 
-    import ray
     from ray import serve
 
+    from bench import local_serve
     from deployments.app import build_app
-    from deployments.proxy import install as install_proxy_middleware
-    from parallel.groups import free_port
 
-    install_proxy_middleware()
-    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     met = True
-    try:
+    with local_serve(8) as port:
         serve.run(build_app(IMAGE_ARGS), name="images", route_prefix="/img")
         serve.run(build_app(VIDEO_ARGS), name="videos", route_prefix="/vid")
         runs = [("POST /v1/images/generations (JSON)", f"http://127.0.0.1:{port}/img", "/v1/images/generations", False),
@@ -162,9 +156,6 @@ def main() -> int:
                   f"slower than {SLOW_S:g} s {result['failures'].get('slow', 0)}  {'MET' if ok else 'MISSED'}")
             for what, (case, text) in result["examples"].items():
                 print(f"  first {what}: {str(case)[:200]} -> {text}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print(f"goal: 0 x 5xx, 0 non-envelope bodies, 0 answers > {SLOW_S:g} s: {'MET' if met else 'MISSED'}")
     return 0
 

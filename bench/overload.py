@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.footprint import rss_mib, serve_processes  # noqa: E402
 from deployments.cli import load_serve_config  # noqa: E402
-from deployments.proxy import install as install_proxy_middleware  # noqa: E402
-from parallel.groups import free_port  # noqa: E402
+from bench import local_serve  # noqa: E402
 
 BODY = {"prompt": "a red circle on a blue background", "num_inference_steps": 4, "size": "64x64"}
 P99_GOAL_MS = 50.0
@@ -105,17 +104,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ns = ap.parse_args()
 
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
     config = load_serve_config(ns.config)
-    install_proxy_middleware()
-    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
+    with local_serve(8) as port:
         serve.run(build_app(config["args"]), name="ditserve", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/images/generations"
         batching = config["args"].get("batching", {})
@@ -143,9 +137,6 @@ def main() -> int:
         sampler.join()
         time.sleep(12.0)  # the routing processes give memory back once idle (deployments/memory.py)
         after = {title: rss_mib(pid) for title, pid in serve_processes().items()}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     statuses = Counter(str(s) for s, _, _ in results)
     refused = [lat * 1e3 for s, lat, _ in results if s in (429, 503)]

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from ray import serve
 
-from deployments.rank_worker import RankWorker
+from deployments.rank_worker import RankWorker, rank_device
 from parallel.attention import lse_math_attention
 from parallel.config import ParallelConfig
 from parallel.groups import free_port
@@ -32,6 +32,16 @@ def test_layout_checks():
     assert "2 placement-group bundles" in ParallelConfig(2, 2).startup_problems(num_heads=4, bundles=2)[0]
     assert ParallelConfig(2, 2).split_problems({"image tokens": 70, "text tokens": 32}) == [
         "image tokens has 70 tokens, not divisible by world_size=4"]
+
+
+def test_a_rank_runs_on_the_gpu_ray_gave_it():
+    """Ray narrows CUDA_VISIBLE_DEVICES to the rank's GPU (index 0), unless
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES is set: then the rank must use the id Ray
+    assigned, or every rank would land on GPU 0."""
+    assert rank_device("cuda", ["3"], cuda_visible_set_by_ray=True) == "cuda:0"
+    assert rank_device("cuda", ["3"], cuda_visible_set_by_ray=False) == "cuda:3"
+    assert rank_device("cuda", [], cuda_visible_set_by_ray=False) == "cuda"  # no GPU from Ray: as configured
+    assert rank_device("cpu", ["1"], cuda_visible_set_by_ray=False) == "cpu"
 
 
 def test_lse_kernel_is_exact_attention_with_its_log_sum_exp():
@@ -99,6 +109,23 @@ def test_two_rank_wan_with_boundary_experts_equals_one_rank(ray_cluster, layout)
     finally:
         for w in workers:
             ray.kill(w)
+
+
+@pytest.mark.slow
+def test_rendezvous_waits_only_as_configured_after_loading(ray_cluster):
+    """A rank loads first (``ready`` answers once its model is loaded, with its weight bytes),
+    then joins; the rendezvous gives up after the configured ``rendezvous_timeout_s`` when a
+    peer never comes, with an error rather than a hang."""
+    worker = RankWorker.options(num_cpus=0).remote(1, {"name": "tiny-flux"}, {}, {"ulysses_degree": 2}, 1)
+    try:
+        assert ray.get(worker.ready.remote(), timeout=120) > 0
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(worker.join.remote("127.0.0.1", free_port(), 3.0), timeout=120)
+        assert time.monotonic() - started < 60  # 3 s, not the 600 s default
+        assert "timeout" in str(info.value).lower() or "timed out" in str(info.value).lower()
+    finally:
+        ray.kill(worker)
 
 
 @pytest.mark.slow
