@@ -78,12 +78,20 @@ def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: 
     return client, body
 
 
+# file suffix -> OpenAI's output_format (anything else is written as PNG)
+SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seed: int | None = None, steps: int | None = None, extra: dict | None = None,
                    api_key: str | None = None) -> dict:
-    """POST one image request with the OpenAI client, write the PNG to ``output``; return metadata."""
+    """POST one image request with the OpenAI client, write the image to ``output`` (its
+    suffix picks ``output_format``: .png, .jpg/.jpeg, .webp); return the metadata."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {"size": size} if size else {}
+    output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
+    if output_format != "png":
+        kwargs["output_format"] = output_format
     response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(base64.b64decode(response.data[0].b64_json))
@@ -129,35 +137,62 @@ def _cmd_serve(ns) -> int:
     return 0
 
 
-def _cmd_generate(ns) -> int:
-    from openai import APIStatusError
+def failure_line(exc: BaseException, url: str) -> str | None:
+    """The one line ``ditserve generate`` / ``video`` print for a failed call (None: not a
+    failure of the call, let it raise): no server at ``url`` (and how to start one), a
+    timeout, or the server's error envelope (status, code, field, message)."""
+    from openai import APIConnectionError, APIStatusError, APITimeoutError
 
-    extra = json.loads(ns.extra) if ns.extra else None
+    if isinstance(exc, APITimeoutError):
+        return f"error: {url} did not answer in time (the client waits 600 s); is the server overloaded?"
+    if isinstance(exc, APIConnectionError):
+        return (f"error: no ditserve server at {url}; start one with `ditserve serve` "
+                f"(or `ditserve serve --config configs/tiny-cpu.yaml`), or pass --url")
+    if isinstance(exc, APIStatusError):
+        try:
+            error = exc.response.json()["error"]
+            code, param, message = error.get("code"), error.get("param"), error.get("message")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            code, param, message = None, None, exc.response.text[:500]
+        where = f" ({param})" if param else ""
+        return f"error {exc.status_code} {code or ''}{where}: {message}".replace("  ", " ")
+    if isinstance(exc, json.JSONDecodeError):
+        return f"error: --extra is not a JSON object: {exc}"
+    if isinstance(exc, RuntimeError):  # a video job that failed
+        return f"error: {exc}"
+    return None
+
+
+def _run_client(call, url: str):
+    """``call()``, with any failure printed as one line on stderr: (result, exit code)."""
     try:
-        meta = generate_image(ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-                              extra=extra, api_key=ns.api_key)
-    except APIStatusError as exc:
-        print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
-        return 1
+        return call(), 0
+    except Exception as exc:
+        line = failure_line(exc, url)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return None, 1
+
+
+def _cmd_generate(ns) -> int:
+    meta, rc = _run_client(lambda: generate_image(
+        ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
+        extra=json.loads(ns.extra) if ns.extra else None, api_key=ns.api_key), ns.url)
+    if rc:
+        return rc
     print(f"wrote {ns.output}")
     print(json.dumps(meta, indent=2))
     return 0
 
 
 def _cmd_video(ns) -> int:
-    from openai import APIStatusError
-
-    extra = json.loads(ns.extra) if ns.extra else None
-    try:
-        job = generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
-                             steps=ns.steps, extra=extra, api_key=ns.api_key,
-                             on_progress=lambda j: print(f"{j.status} {j.progress}%", flush=True))
-    except APIStatusError as exc:
-        print(f"error {exc.status_code}: {exc.response.text}", file=sys.stderr)
-        return 1
-    except RuntimeError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
+    job, rc = _run_client(lambda: generate_video(
+        ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed, steps=ns.steps,
+        extra=json.loads(ns.extra) if ns.extra else None, api_key=ns.api_key,
+        on_progress=lambda j: print(f"{j.status} {j.progress}%", flush=True)), ns.url)
+    if rc:
+        return rc
     print(f"wrote {ns.output}")
     print(json.dumps(job, indent=2))
     return 0
@@ -190,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="request one image from a running server and save it")
     p.add_argument("prompt")
-    p.add_argument("-o", "--output", required=True, help="PNG file to write")
+    p.add_argument("-o", "--output", required=True, help="image file to write (.png, .jpg or .webp: its format)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seed", type=int)

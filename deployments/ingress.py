@@ -103,6 +103,7 @@ class Ingress:
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out.images],
+            output_format=params.output_format,
             ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:

@@ -1,4 +1,4 @@
-"""Encoding generated media: PNG through Pillow, MP4 (H.264, yuv420p) through PyAV (FFmpeg)."""
+"""Encoding generated media: PNG, JPEG and WebP through Pillow, MP4 (H.264, yuv420p) through PyAV (FFmpeg)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,20 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (frames * 255).round().clip(0, 255).astype("uint8")
 
 
-def encode_png(image: np.ndarray) -> bytes:
-    """(H, W, 3) float32 in [0, 1] → PNG bytes."""
+# OpenAI's ``output_format`` values -> Pillow's format names
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+DEFAULT_COMPRESSION = 100  # OpenAI's default ``output_compression`` (least compression)
+
+
+def encode_image(image: np.ndarray, output_format: str = "png", output_compression: int | None = None) -> bytes:
+    """(H, W, 3) float32 in [0, 1] → image bytes in ``output_format`` (``png``, ``jpeg`` or
+    ``webp``, OpenAI's names) through Pillow. ``output_compression`` 0..100 (OpenAI's field,
+    default 100) is the JPEG/WebP encoder's quality: lower is smaller and lossier; PNG is
+    lossless and takes none. Raises ``KeyError`` for another format."""
     buf = io.BytesIO()
-    Image.fromarray(to_uint8(image)).save(buf, format="PNG")
+    options = {} if output_format == "png" else {
+        "quality": DEFAULT_COMPRESSION if output_compression is None else output_compression}
+    Image.fromarray(to_uint8(image)).save(buf, format=IMAGE_FORMATS[output_format], **options)
     return buf.getvalue()
 
 

@@ -21,7 +21,7 @@ from pipeline.errors import BatchCancelled, InvalidRequestError, SharedFailure
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, plan_batch
-from pipeline.media import encode_mp4, encode_png
+from pipeline.media import encode_image, encode_mp4
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
@@ -291,8 +291,10 @@ class BatchRunner:
             return []
         t0 = time.perf_counter()
         video = head.num_frames > 1 or self.family.temporal_factor > 0
-        media = [None if samples is None else [encode_mp4(v, head.fps) if video else encode_png(v) for v in samples]
-                 for samples in out.images]
+        media = [None if samples is None else
+                 [encode_mp4(v, head.fps) if video else encode_image(v, p.output_format, p.output_compression)
+                  for v in samples]
+                 for p, samples in zip(batch.requests, out.images, strict=True)]
         encode_ms = (time.perf_counter() - t0) * 1e3
         acceleration = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}

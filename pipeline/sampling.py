@@ -70,6 +70,8 @@ class SamplingParams:
     cfg_gate_fraction: float
     attention_backend: str | None
     response_format: str
+    output_format: str = "png"  # images: png | jpeg | webp (pipeline.media.encode_image)
+    output_compression: int | None = None  # jpeg/webp quality 0..100; None: 100
     timeout_s: float | None = None  # deadline in seconds from submission; None: none
     cfg_scale_2: float | None = None
     boundary_ratio: float | None = None  # None: the model's own
@@ -145,6 +147,8 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         num_inference_steps=request.num_inference_steps or limits.default_steps,
         seed=_seed(request),
         response_format=request.response_format,
+        output_format=request.output_format,
+        output_compression=request.output_compression,
         timeout_s=request.timeout_s,
         **_guidance(request, limits),
         **_acceleration(request, defaults),

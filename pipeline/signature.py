@@ -33,6 +33,8 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "cfg_gate_fraction": True,
     "attention_backend": True,
     "response_format": False,
+    "output_format": False,     # encoding, per request, after the batch has run
+    "output_compression": False,
     "timeout_s": False,         # a deadline, not an execution setting
     "cfg_scale_2": True,
     "boundary_ratio": True,     # which expert runs which step

@@ -34,3 +34,28 @@ def test_alone_equals_inside_a_batch_of_four(flux, cfg):
         inside = denoise_batch(flux, batch).images[position]
         diff = np.abs(alone - inside).max()
         assert diff <= TOL, f"position {position}: max abs diff {diff}"
+
+
+def test_each_request_of_a_batch_gets_its_own_output_format():
+    """``output_format`` is not in the signature: a batch mixes formats, each request encoded
+    its own way after the shared denoise, its pixels those of its PNG (within JPEG/WebP loss)."""
+    import io
+
+    from PIL import Image
+
+    from pipeline.runner import BatchRunner
+    from pipeline.signature import BatchSignature
+    from tests.helpers import batch_of, pixels
+
+    formats = [("png", None, "PNG"), ("jpeg", 90, "JPEG"), ("webp", 90, "WEBP"), ("jpeg", 5, "JPEG")]
+    mean_levels = [0, 12, 12, 40]  # mean |pixel - the PNG's| each may have (0-255)
+    requests = [params("a red circle", 3, output_format=f, output_compression=c) for f, c, _ in formats]
+    assert len({BatchSignature.of(p) for p in requests}) == 1
+    runner = BatchRunner("tiny-flux")
+    outputs = runner.run(batch_of(*requests))
+    reference = pixels(outputs[0].images[0])
+    for (_, _, pillow), bound, out in zip(formats, mean_levels, outputs, strict=True):
+        image = Image.open(io.BytesIO(out.images[0]))
+        assert image.format == pillow and image.size == (64, 48)
+        assert np.abs(pixels(out.images[0]) - reference).mean() <= bound
+    assert len(outputs[3].images[0]) < len(outputs[1].images[0])  # lower quality, fewer bytes

@@ -53,6 +53,24 @@ def test_image_is_a_png_of_the_requested_size(client):
     assert meta["signature"].startswith("tiny-flux 80x48 steps=4")
 
 
+@pytest.mark.parametrize(("output_format", "compression", "pillow"), [
+    ("jpeg", 40, "JPEG"), ("webp", 80, "WEBP"), ("png", None, "PNG")])
+def test_output_formats_through_the_openai_client(client, output_format, compression, pillow):
+    """OpenAI's ``output_format`` / ``output_compression``: the image decodes in that format
+    at the requested size, close to the PNG of the same seed (lossy formats)."""
+    options = {"output_format": output_format}
+    if compression is not None:
+        options["output_compression"] = compression
+    response = client.images.generate(prompt="a red circle", size="80x48", response_format="b64_json",
+                                      extra_body={"num_inference_steps": 4, "seed": 5}, **options)
+    assert response.output_format == output_format
+    image = Image.open(io.BytesIO(png_of(response)))
+    assert image.format == pillow and image.size == (80, 48)
+    reference = Image.open(io.BytesIO(png_of(generate(client, seed=5, size="80x48"))))
+    diff = np.abs(np.asarray(image.convert("RGB"), dtype=np.int16) - np.asarray(reference, dtype=np.int16))
+    assert diff.mean() <= (0 if output_format == "png" else 12)
+
+
 def test_n_images_per_request(client):
     response = generate(client, seed=2, n=3)
     assert len(response.data) == 3
@@ -193,3 +211,15 @@ def test_accelerations_through_http(client, url):
         time.sleep(0.2)
         replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]
     assert any(s.get("mounts", 0) >= 1 for s in replicas.values()), replicas
+
+
+def test_cli_writes_the_format_of_its_suffix_and_prints_envelope_errors(url, tmp_path, capsys):
+    from deployments.cli import main
+
+    out = tmp_path / "circle.webp"
+    assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x48", "--steps", "2"]) == 0
+    assert Image.open(out).format == "WEBP" and Image.open(out).size == (64, 48)
+    capsys.readouterr()
+    assert main(["generate", "", "-o", str(tmp_path / "x.png"), "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert err == "error 400 invalid_value (prompt): prompt must not be empty\n", err

@@ -12,6 +12,10 @@ from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
 from pipeline.wire import GenerationMetadata
 
+# OpenAI's output_format values (pipeline.media.IMAGE_FORMATS encodes each; the routing
+# processes validate without importing the encoders)
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
 
 class ImageGenerationRequest(GenerationRequest):
     """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
@@ -23,6 +27,8 @@ class ImageGenerationRequest(GenerationRequest):
 
     n: int = 1
     response_format: str = "b64_json"
+    output_format: str = "png"
+    output_compression: int | None = None
     true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
 
     @field_validator("n")
@@ -40,6 +46,26 @@ class ImageGenerationRequest(GenerationRequest):
         if v != "b64_json":
             raise ValueError(f"response_format must be 'b64_json' (the only format served), got {shown(v)}")
         return v
+
+    @field_validator("output_format")
+    @classmethod
+    def _output_format(cls, v: str) -> str:
+        if v not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {shown(v)}")
+        return v
+
+    @field_validator("output_compression")
+    @classmethod
+    def _output_compression(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= 100:
+            raise ValueError(f"output_compression must be between 0 and 100, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _compression_needs_a_lossy_format(self) -> "ImageGenerationRequest":
+        if self.output_compression is not None and self.output_format == "png":
+            raise ValueError("output_compression applies to output_format jpeg or webp, not png (lossless)")
+        return self
 
     @field_validator("true_cfg_scale")
     @classmethod
@@ -66,7 +92,7 @@ def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationR
 
 
 class ImageData(BaseModel):
-    """One generated image, a base64-encoded PNG."""
+    """One generated image, base64-encoded in the request's ``output_format`` (PNG by default)."""
 
     b64_json: str
     revised_prompt: str | None = None
@@ -77,4 +103,5 @@ class ImageGenerationResponse(BaseModel):
 
     created: int
     data: list[ImageData]
+    output_format: str = "png"
     ditserve: GenerationMetadata
