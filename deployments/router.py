@@ -86,6 +86,7 @@ class Router:
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._inflight = 0
+        self._idle_since: float | None = time.monotonic()  # when the last batch in flight ended (None: one is)
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
         self._running: dict[str, list[_Pending]] = {}  # batch_id -> its requests, while in flight
         self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
@@ -301,11 +302,13 @@ class Router:
             decision = choose_queue(
                 queues, replicas, max_batch_size=self._max_batch_size, max_wait_s=self._max_wait_s,
                 max_affinity_wait_s=self._max_affinity_wait_s, max_batch_cost=self._max_batch_cost,
-                affinity=self._affinity) if queues else None
+                affinity=self._affinity, idle_s=None if self._idle_since is None else now - self._idle_since,
+            ) if queues else None
             if decision is not None and self._inflight < len(replicas):
                 self._counters[f"routing_{decision.reason}"] += 1
                 self._metric_routing.inc(tags={"decision": decision.reason.value})
                 self._inflight += 1
+                self._idle_since = None
                 asyncio.get_running_loop().create_task(
                     self._run(self._cut(decision.signature), decision.replica_id if known else None))
                 continue
@@ -385,6 +388,8 @@ class Router:
             self._claims.pop(batch.batch_id, None)
             self._running.pop(batch.batch_id, None)
             self._inflight -= 1
+            if self._inflight == 0:
+                self._idle_since = time.monotonic()
             self._wakeup.set()
 
     # -- video jobs: admitted and enqueued here, tracked in deployments.jobs ------------------

@@ -6,7 +6,10 @@ tested) as a table. The router owns the queues and calls this whenever something
 Policy (late binding; a batch is formed only when a replica can take it):
 
 1. A queue is *ready* when it holds ``max_batch_size`` images (or ``max_batch_cost``), or
-   its head has waited ``max_wait_ms``.
+   its head has waited ``max_wait_ms``, or its head arrived at an idle deployment (no batch
+   in flight for at least ``min(max_wait_ms, IDLE_GAP_S)`` before it came): a lone request
+   never waits for company that is not coming, while requests that follow a batch closely
+   (closed-loop clients answered a moment ago, bursts) still gather into full batches.
 2. Without affinity: the ready queue with the oldest head goes to any free replica.
 3. With affinity, ready queues are considered oldest head first:
    - ``starvation``: a head older than ``max_affinity_wait_ms`` goes to any free replica;
@@ -23,6 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.modes import StrEnum
+
+# A deployment idle this long (or max_wait_ms, if shorter) before a request came is not about
+# to receive that request's company: clients answered by the last batch resend within a round
+# trip (milliseconds), well inside it.
+IDLE_GAP_S = 0.1
 
 
 class RoutingDecision(StrEnum):
@@ -56,21 +64,26 @@ class Decision:
     replica_id: str     # the free replica the batch is meant for
 
 
-def is_ready(q: QueueView, *, max_batch_size: int, max_wait_s: float, max_batch_cost: float | None) -> bool:
+def is_ready(q: QueueView, *, max_batch_size: int, max_wait_s: float, max_batch_cost: float | None,
+             idle_s: float | None = None) -> bool:
+    """Rule 1 of the module docstring. ``idle_s``: seconds since the deployment last had a
+    batch in flight (None: one is in flight now)."""
     full = q.images >= max_batch_size or (max_batch_cost is not None and q.cost >= max_batch_cost)
-    return full or q.head_age_s >= max_wait_s
+    arrived_idle = idle_s is not None and idle_s - q.head_age_s >= min(max_wait_s, IDLE_GAP_S)
+    return full or q.head_age_s >= max_wait_s or arrived_idle
 
 
 def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_batch_size: int,
                  max_wait_s: float, max_affinity_wait_s: float, max_batch_cost: float | None = None,
-                 affinity: bool = True) -> Decision | None:
+                 affinity: bool = True, idle_s: float | None = None) -> Decision | None:
     """The queue to dispatch now and why, or None (no free replica, nothing ready, or every
-    ready queue is waiting for its busy matching replica)."""
+    ready queue is waiting for its busy matching replica). ``idle_s``: seconds since the
+    last batch in flight ended (None: a batch is in flight)."""
     free = [r for r in replicas if not r.busy]
     if not free:
         return None
     ready = sorted((q for q in queues if q.images and is_ready(
-        q, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_batch_cost=max_batch_cost)),
+        q, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_batch_cost=max_batch_cost, idle_s=idle_s)),
         key=lambda q: -q.head_age_s)
     if not ready:
         return None

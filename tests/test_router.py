@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,6 +52,25 @@ def test_batches_are_signature_homogeneous_and_every_request_answered_once(url):
     for body, m in zip(bodies, metas, strict=True):  # each answer is its own request's
         assert m["seed"] == body["seed"]
     assert stats(url)["counters"]["requests"] >= 24
+
+
+def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
+    """``max_wait_ms`` of ten minutes: a lone request at an idle deployment is dispatched at
+    once (it would otherwise time out at its 60 s deadline); a request that comes while a
+    batch runs still waits for company (here: the full batch its followers make)."""
+    lazy = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+            "batching": {**TWO_REPLICAS["batching"], "max_wait_ms": 600_000, "max_batch_size": 3}}
+    url = deploy(lazy, fresh=True)
+    alone = post(url, {"prompt": "alone", "seed": 1, "timeout_s": 60, **FAST})
+    assert alone.status_code == 200 and alone.json()["ditserve"]["batch_size"] == 1
+    time.sleep(0.5)  # idle again for longer than IDLE_GAP_S: the next lone request goes at once too
+    with ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
+        wait_until(lambda: stats(url)["inflight_batches"] == 1)
+        followers = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": i, "timeout_s": 120, **FAST}),
+                                  range(3)))
+        assert busy.result().status_code == 200
+    assert [r.json()["ditserve"]["batch_size"] for r in followers] == [3, 3, 3]
 
 
 def test_affinity_keeps_replicas_in_their_state(url):

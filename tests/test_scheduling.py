@@ -45,6 +45,21 @@ def test_affinity_table(queues, replicas, expected):
     assert choose_queue(queues, replicas, **KW) == expected
 
 
+@pytest.mark.parametrize("idle_s, max_wait_s, affinity, expected", [
+    (5.0, 0.010, True, Decision("A", "hit", "1")),   # a lone request at an idle deployment goes at once
+    (5.0, 0.010, False, Decision("A", "fifo", "1")),
+    (0.005, 0.010, True, None),  # the last batch ended 4 ms before it came: followers still gather
+    (0.020, 0.010, True, Decision("A", "hit", "1")),  # idle max_wait_ms before it came
+    (0.050, 600.0, True, None),  # a long max_wait_ms: the gap needed is IDLE_GAP_S (0.1 s)
+    (0.200, 600.0, True, Decision("A", "hit", "1")),
+    (None, 0.010, True, None),   # a batch is in flight: wait for company
+])
+def test_a_lone_request_at_an_idle_deployment_does_not_wait(idle_s, max_wait_s, affinity, expected):
+    lone = q("A", 0.001)
+    assert choose_queue([lone], [r("1", "A"), r("2", "B")], idle_s=idle_s, affinity=affinity,
+                        **{**KW, "max_wait_s": max_wait_s}) == expected
+
+
 def test_without_affinity_oldest_ready_queue_wins():
     queues = [q("A", 0.02), q("B", 0.05)]
     assert choose_queue(queues, [r("1", "A")], affinity=False, **KW) == Decision("B", "fifo", "1")
