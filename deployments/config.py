@@ -56,6 +56,9 @@ class LimitsConfig(_Strict):
     max_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_json_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # The priority of a request that gives none, per route (deployments.scheduling).
+    default_image_priority: Literal["interactive", "batch"] = "interactive"
+    default_video_priority: Literal["interactive", "batch"] = "interactive"
 
     @field_validator("default_size")
     @classmethod
@@ -74,6 +77,8 @@ class BatchingConfig(_Strict):
     Serve's default power-of-two-choices router). ``max_affinity_wait_ms``: the longest a
     queue waits for its matching replica before any free replica takes it.
     ``routing_stats_period_s``: how often replicas report their state to the router.
+    ``max_batch_priority_wait_ms``: requests of ``priority: batch`` are served after
+    interactive ones, until they have waited this long (their starvation bound).
     """
 
     max_batch_size: int = Field(default=8, ge=1)
@@ -83,6 +88,7 @@ class BatchingConfig(_Strict):
     affinity: bool = True
     max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
     routing_stats_period_s: float = Field(default=1.0, gt=0)
+    max_batch_priority_wait_ms: float = Field(default=30_000.0, ge=0)
 
 
 class VideoJobsConfig(_Strict):

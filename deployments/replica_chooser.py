@@ -41,7 +41,8 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs):
         self._routed_state: dict[ReplicaID, str] = {}
-        self._inflight: dict[str, ReplicaID] = {}
+        self._inflight: dict[str, ReplicaID] = {}  # batch id -> the replica running it
+        self._requests: dict[str, str] = {}  # Serve's internal request id -> batch id
         self._batch_replica: dict[str, ReplicaID] = {}  # batch id -> where it was routed (the newest)
         self._excluded: set[str] = set()  # replicas that refused work as broken (unique ids)
         # Serve may load this class from a by-value pickle whose globals are a copy; register
@@ -97,13 +98,24 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         batch = _batch_of(pending_request)
         if batch is not None:
             self._routed_state[replica_id] = batch.signature.digest
-            self._inflight[pending_request.metadata.internal_request_id] = replica_id
+            self._inflight[batch.batch_id] = replica_id
+            self._requests[pending_request.metadata.internal_request_id] = batch.batch_id
             self._batch_replica[batch.batch_id] = replica_id
             while len(self._batch_replica) > ROUTES_KEPT:  # the oldest routes go first
                 del self._batch_replica[next(iter(self._batch_replica))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.pop(internal_request_id, None)
+        batch_id = self._requests.pop(internal_request_id, None)
+        if batch_id is not None and self._inflight.get(batch_id) == replica_id:
+            del self._inflight[batch_id]
+
+    def batch_done(self, batch_id: str) -> None:
+        """The Router's word that batch ``batch_id`` has ended (answered, failed or its stream
+        cancelled): its replica is free. Serve does not always report a cancelled streaming
+        call as completed, and a replica counted busy forever would never get work again."""
+        self._inflight.pop(batch_id, None)
+        for key in [k for k, b in self._requests.items() if b == batch_id]:
+            del self._requests[key]
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)

@@ -28,7 +28,7 @@ from deployments.config import BatchingConfig
 from deployments.jobs import JobStore, VideoJobs
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for
-from deployments.scheduling import QueueView, ReplicaView, choose_queue, next_wakeup_s
+from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
 from pipeline.contract.videos import VideoJob
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
                              RequestTimeoutError)
@@ -120,6 +120,7 @@ class Router:
         self._max_batch_cost = batching.get("max_batch_cost")
         self._affinity = bool(batching.get("affinity", True))
         self._max_affinity_wait_s = float(batching.get("max_affinity_wait_ms", 2000)) / 1e3
+        self._max_batch_priority_wait_s = float(batching.get("max_batch_priority_wait_ms", 30_000)) / 1e3
 
     async def model_facts(self) -> ModelFacts:
         if self._facts is None:
@@ -269,19 +270,34 @@ class Router:
         views = chooser.replica_views() if chooser is not None else []
         return views or None
 
+    def _urgent(self, pending: _Pending, now: float) -> bool:
+        return is_urgent(pending.params.priority, now - pending.enqueued, self._max_batch_priority_wait_s)
+
     def _queue_views(self, now: float) -> list[QueueView]:
-        return [QueueView(sig.digest, now - q[0].enqueued, sum(p.params.n for p in q), sum(p.cost for p in q))
-                for sig, q in self._queues.items() if q]
+        views = []
+        for sig, q in self._queues.items():
+            if q:
+                urgent = [now - p.enqueued for p in q if self._urgent(p, now)]
+                views.append(QueueView(sig.digest, max(now - p.enqueued for p in q), sum(p.params.n for p in q),
+                                       sum(p.cost for p in q), max(urgent) if urgent else None))
+        return views
 
     def _cut(self, digest: str) -> list[_Pending]:
+        """The next batch of queue ``digest``: urgent requests first, then the oldest, up to
+        ``max_batch_size`` images (and ``max_batch_cost``); the first request always goes."""
         signature, queue = next((s, q) for s, q in self._queues.items() if q and s.digest == digest)
-        batch = [queue.popleft()]
-        images, cost = batch[0].params.n, batch[0].cost
-        while queue and images + queue[0].params.n <= self._max_batch_size and (
-                self._max_batch_cost is None or cost + queue[0].cost <= self._max_batch_cost):
-            images += queue[0].params.n
-            cost += queue[0].cost
-            batch.append(queue.popleft())
+        now = time.monotonic()
+        batch, images, cost = [], 0, 0.0
+        for p in sorted(queue, key=lambda p: (not self._urgent(p, now), p.enqueued)):
+            if batch and (images + p.params.n > self._max_batch_size or (
+                    self._max_batch_cost is not None and cost + p.cost > self._max_batch_cost)):
+                break
+            batch.append(p)
+            images, cost = images + p.params.n, cost + p.cost
+        taken = {id(p) for p in batch}
+        remaining = [p for p in queue if id(p) not in taken]
+        queue.clear()
+        queue.extend(remaining)
         self._queued -= len(batch)
         self._metric_queue_depth.set(len(queue), tags={"signature": signature.digest})
         return batch
@@ -385,6 +401,9 @@ class Router:
                         f"batch {batch.batch_id} failed ({type(cause).__name__}); request {p.params.request_id}",
                         code="batch_failed", request_id=p.params.request_id))
         finally:
+            chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
+            if chooser is not None:
+                chooser.batch_done(batch.batch_id)
             self._claims.pop(batch.batch_id, None)
             self._running.pop(batch.batch_id, None)
             self._inflight -= 1

@@ -10,8 +10,12 @@ Policy (late binding; a batch is formed only when a replica can take it):
    in flight for at least ``min(max_wait_ms, IDLE_GAP_S)`` before it came): a lone request
    never waits for company that is not coming, while requests that follow a batch closely
    (closed-loop clients answered a moment ago, bursts) still gather into full batches.
-2. Without affinity: the ready queue with the oldest head goes to any free replica.
-3. With affinity, ready queues are considered oldest head first:
+   Queues are considered *urgent work first*: a queue holding an ``interactive`` request, or
+   a ``batch`` one that waited past ``max_batch_priority_wait_ms`` (:func:`is_urgent`), comes
+   before queues of batch work, the oldest urgent request first; then the oldest head.
+   Priority is not part of the signature: a batch is cut urgent requests first.
+2. Without affinity: the first ready queue goes to any free replica.
+3. With affinity, ready queues are considered in that order:
    - ``starvation``: a head older than ``max_affinity_wait_ms`` goes to any free replica;
    - ``hit``: a free replica's state already equals the queue's signature;
    - ``miss``: no replica (free or busy) holds that signature, so a free one must switch;
@@ -19,13 +23,15 @@ Policy (late binding; a batch is formed only when a replica can take it):
      it switches for the unheld queue with the most images.
    A ready queue whose signature is held only by busy replicas waits for one of them
    (at most ``max_affinity_wait_ms``), so state changes happen only when they must.
+   Queues of batch work are considered only when no urgent queue can go, and a free
+   replica that batch work would take switches instead for an urgent queue no replica holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.modes import StrEnum
+from pipeline.modes import Priority, StrEnum
 
 # A deployment idle this long (or max_wait_ms, if shorter) before a request came is not about
 # to receive that request's company: clients answered by the last batch resend within a round
@@ -48,6 +54,7 @@ class QueueView:
     head_age_s: float   # how long the oldest request has waited
     images: int         # sum of n over the queue
     cost: float         # sum of pixels x frames x n over the queue
+    urgent_age_s: float | None = None  # how long its oldest urgent request has waited (None: none)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,18 @@ class Decision:
     signature: str
     reason: RoutingDecision
     replica_id: str     # the free replica the batch is meant for
+
+
+def is_urgent(priority: Priority, waited_s: float, max_batch_priority_wait_s: float) -> bool:
+    """Served before batch work: ``interactive``, or ``batch`` past its starvation bound."""
+    return priority != Priority.BATCH or waited_s >= max_batch_priority_wait_s
+
+
+def serving_order(q: QueueView) -> tuple:
+    """Sort key of rule 1: queues with urgent work first (oldest urgent request first), then
+    the oldest head."""
+    urgent = q.urgent_age_s is not None
+    return (not urgent, -(q.urgent_age_s if urgent else 0.0), -q.head_age_s)
 
 
 def is_ready(q: QueueView, *, max_batch_size: int, max_wait_s: float, max_batch_cost: float | None,
@@ -84,7 +103,7 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
         return None
     ready = sorted((q for q in queues if q.images and is_ready(
         q, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_batch_cost=max_batch_cost, idle_s=idle_s)),
-        key=lambda q: -q.head_age_s)
+        key=serving_order)
     if not ready:
         return None
     if not affinity:
@@ -93,6 +112,20 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     held = {r.last_signature for r in replicas}
     # Replicas that may switch without abandoning queued work in their own state.
     spare = sorted((r for r in free if r.last_signature not in wanted), key=lambda r: r.last_signature is not None)
+    urgent = [q for q in ready if q.urgent_age_s is not None]
+    decision = _affinity_choice(urgent, free, spare, held, max_affinity_wait_s)
+    if decision is not None:
+        return decision
+    decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], free, spare, held, max_affinity_wait_s)
+    unheld_urgent = [q for q in urgent if q.signature not in held]
+    if decision is not None and unheld_urgent:  # the free replica switches for urgent work, not batch work
+        return Decision(unheld_urgent[0].signature, RoutingDecision.MISS, decision.replica_id)
+    return decision
+
+
+def _affinity_choice(ready: list[QueueView], free: list[ReplicaView], spare: list[ReplicaView], held: set,
+                     max_affinity_wait_s: float) -> Decision | None:
+    """Rule 3 over ``ready`` (in serving order)."""
     for q in ready:
         match = next((r for r in free if r.last_signature == q.signature), None)
         if match is not None:

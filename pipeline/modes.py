@@ -46,3 +46,14 @@ class DualMode(StrEnum):
     SINGLE = "single"
     BOUNDARY = "boundary"
     PAIRED = "paired"
+
+
+class Priority(StrEnum):
+    """The order the Router serves queued work in (``deployments.scheduling``).
+
+    ``INTERACTIVE`` (the default): someone waits for it. ``BATCH``: served after interactive
+    work, until it has waited ``batching.max_batch_priority_wait_ms`` (its starvation bound).
+    """
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"

@@ -10,7 +10,7 @@ from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.limits import ServingLimits, parse_size
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.modes import GuidanceMode
+from pipeline.modes import GuidanceMode, Priority
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class SamplingParams:
     output_format: str = "png"  # images: png | jpeg | webp (pipeline.media.encode_image)
     output_compression: int | None = None  # jpeg/webp quality 0..100; None: 100
     timeout_s: float | None = None  # deadline in seconds from submission; None: none
+    priority: Priority = Priority.INTERACTIVE  # the order queues are served in (deployments.scheduling)
     cfg_scale_2: float | None = None
     boundary_ratio: float | None = None  # None: the model's own
     fps: int = 0
@@ -150,6 +151,7 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         output_format=request.output_format,
         output_compression=request.output_compression,
         timeout_s=request.timeout_s,
+        priority=Priority(request.priority or limits.default_image_priority),
         **_guidance(request, limits),
         **_acceleration(request, defaults),
     )
@@ -172,6 +174,7 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
         seed=_seed(request),
         response_format="mp4",
         timeout_s=request.timeout_s,
+        priority=Priority(request.priority or limits.default_video_priority),
         cfg_scale_2=request.guidance_scale_2,
         boundary_ratio=request.boundary_ratio,
         fps=request.fps or limits.default_fps,

@@ -36,6 +36,7 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "output_format": False,     # encoding, per request, after the batch has run
     "output_compression": False,
     "timeout_s": False,         # a deadline, not an execution setting
+    "priority": False,          # the order queues are served in, not how a batch runs
     "cfg_scale_2": True,
     "boundary_ratio": True,     # which expert runs which step
     "fps": False,               # only the MP4 container's frame rate

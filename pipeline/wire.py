@@ -81,7 +81,9 @@ class ModelFacts:
             default_num_frames=limits["default_num_frames"], default_fps=limits["default_fps"],
             max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio,
             special_tokens=self.special_tokens, scm_preset_steps=self.scm_preset_steps,
-            max_timeout_s=limits.get("max_timeout_s", 3600.0))
+            max_timeout_s=limits.get("max_timeout_s", 3600.0),
+            default_image_priority=limits.get("default_image_priority", "interactive"),
+            default_video_priority=limits.get("default_video_priority", "interactive"))
 
 
 class Report(BaseModel):

@@ -45,6 +45,7 @@ def reasons(body: dict) -> InvalidRequestError:
     ({"prompt": "a", "output_format": "jpeg", "output_compression": 101}, "output_compression", "between 0 and 100"),
     ({"prompt": "a", "output_format": "webp", "output_compression": -1}, "output_compression", "between 0 and 100"),
     ({"prompt": "a", "output_compression": 50}, "output_compression", "jpeg or webp, not png"),
+    ({"prompt": "a", "priority": "urgent"}, "priority", "one of interactive, batch"),
     ({"prompt": "a", "enable_cache_dti": True}, "enable_cache_dti", "unknown field"),
     ({"prompt": "a", "cfg_gate_step": 0}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "cfg_gate_step": 1.5}, "cfg_gate_step", "(0, 1]"),
@@ -183,3 +184,14 @@ def test_video_resolution_and_signature():
     assert BatchSignature.of(p) != BatchSignature.of(r)
     off = resolve_video(validate_video_request({"prompt": "a", "guidance_scale": 1.0}, VIDEO), VIDEO)
     assert not off.guided and off.negative_prompt is None
+
+
+def test_priority_defaults_per_route_and_stays_out_of_the_signature():
+    batch_videos = dataclasses.replace(VIDEO, default_video_priority="batch")
+    assert resolve_video(validate_video_request({"prompt": "a"}, batch_videos), batch_videos).priority == "batch"
+    asked = validate_video_request({"prompt": "a", "priority": "interactive"}, batch_videos)
+    assert resolve_video(asked, batch_videos).priority == "interactive"
+    interactive = resolve(validate_image_request({"prompt": "a", "seed": 1}, LIMITS), LIMITS)
+    batch = resolve(validate_image_request({"prompt": "a", "seed": 1, "priority": "batch"}, LIMITS), LIMITS)
+    assert interactive.priority == "interactive" and batch.priority == "batch"
+    assert BatchSignature.of(interactive) == BatchSignature.of(batch)

@@ -73,6 +73,38 @@ def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
     assert [r.json()["ditserve"]["batch_size"] for r in followers] == [3, 3, 3]
 
 
+def _dispatch_order(url, bodies: dict[str, dict]) -> list[str]:
+    """Queue ``bodies`` (name -> body), in order, behind a running batch on the only replica;
+    return their names in the order their batches were dispatched (batch ids count up)."""
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
+        wait_until(lambda: stats(url)["inflight_batches"] == 1)
+        futures = {}
+        for name, body in bodies.items():
+            futures[name] = pool.submit(post, url, body)
+            wait_until(lambda: stats(url)["queued"] == len(futures))
+        answers = {name: f.result() for name, f in futures.items()}
+        assert busy.result().status_code == 200
+    assert all(r.status_code == 200 for r in answers.values()), [r.text for r in answers.values()]
+    number = {name: int(r.json()["ditserve"]["batch_id"].split("-")[1]) for name, r in answers.items()}
+    return sorted(number, key=number.get)
+
+
+def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(deploy):
+    """``priority: batch`` requests queued first still run after interactive ones (in one
+    signature's queue and across queues); with a starvation bound of 0 they keep their turn."""
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+           "batching": {**TWO_REPLICAS["batching"], "max_batch_size": 1}}
+    other = {**FAST, "num_inference_steps": 3}  # another signature
+    bodies = {"b1": {"prompt": "b1", "seed": 1, "priority": "batch", **FAST},
+              "b2": {"prompt": "b2", "seed": 2, "priority": "batch", **FAST},
+              "i1": {"prompt": "i1", "seed": 3, **FAST},
+              "i2": {"prompt": "i2", "seed": 4, "priority": "interactive", **other}}
+    assert _dispatch_order(deploy(one, fresh=True), bodies) == ["i1", "i2", "b1", "b2"]
+    no_bound = {**one, "batching": {**one["batching"], "max_batch_priority_wait_ms": 0}}
+    assert _dispatch_order(deploy(no_bound, fresh=True), bodies) == ["b1", "b2", "i1", "i2"]
+
+
 def test_affinity_keeps_replicas_in_their_state(url):
     a = {"num_inference_steps": 2, "size": "64x64"}
     b = {"num_inference_steps": 3, "size": "64x64"}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.scheduling import Decision, QueueView, ReplicaView, choose_queue, next_wakeup_s
+from deployments.scheduling import Decision, QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
+from pipeline.modes import Priority
 
 KW = dict(max_batch_size=4, max_wait_s=0.010, max_affinity_wait_s=0.5)
 
@@ -58,6 +59,33 @@ def test_a_lone_request_at_an_idle_deployment_does_not_wait(idle_s, max_wait_s, 
     lone = q("A", 0.001)
     assert choose_queue([lone], [r("1", "A"), r("2", "B")], idle_s=idle_s, affinity=affinity,
                         **{**KW, "max_wait_s": max_wait_s}) == expected
+
+
+def u(sig, age, urgent_age, images=1):  # a queue holding urgent work (interactive, or starving batch)
+    return QueueView(sig, age, images, float(images), urgent_age)
+
+
+@pytest.mark.parametrize("queues, replicas, affinity, expected", [
+    # interactive work first, although the batch queue is older
+    ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", None)], True, Decision("I", "miss", "1")),
+    ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", None)], False, Decision("I", "fifo", "1")),
+    # the oldest urgent request first, among queues with urgent work
+    ([u("I", 0.5, 0.02), u("J", 0.03, 0.03)], [r("1", None)], False, Decision("J", "fifo", "1")),
+    # a free replica holding batch work's state switches for urgent work no replica holds
+    ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", "B")], True, Decision("I", "miss", "1")),
+    # urgent work waiting for its busy matching replica: batch work uses the free one
+    ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", "I", busy=True), r("2", "B")], True, Decision("B", "hit", "2")),
+    # no urgent work ready: batch work flows as before
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", None)], True, Decision("B", "miss", "1")),
+])
+def test_priority_table(queues, replicas, affinity, expected):
+    assert choose_queue(queues, replicas, affinity=affinity, **KW) == expected
+
+
+def test_batch_work_becomes_urgent_at_its_starvation_bound():
+    assert is_urgent(Priority.INTERACTIVE, 0.0, 30.0)
+    assert not is_urgent(Priority.BATCH, 29.9, 30.0)
+    assert is_urgent(Priority.BATCH, 30.0, 30.0)
 
 
 def test_without_affinity_oldest_ready_queue_wins():

@@ -19,7 +19,7 @@ from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size
 from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, Priority
 
 MAX_BODY_DEPTH = 6        # the deepest legitimate body: cache_dit_params.secondary.<knob> (3 levels)
 MAX_ERRORS_LISTED = 8     # problems listed in one message, then "and N more"
@@ -85,6 +85,7 @@ class GenerationRequest(BaseModel):
     cfg_gate_step: float | None = Field(default=None, allow_inf_nan=False)
     attention_backend_override: str | None = None
     timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    priority: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -97,6 +98,13 @@ class GenerationRequest(BaseModel):
                 raise ValueError(f"extra_body repeats top-level field(s) {', '.join(clash)}")
             data.update(nested)
         return data
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, v: str | None) -> str | None:
+        if v is not None and v not in set(Priority):
+            raise ValueError(f"priority must be one of {', '.join(Priority)}, got {shown(v)}")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -27,6 +27,8 @@ class ServingLimits:
     special (refused in prompts). ``scm_preset_steps``: per cache-dit SCM preset, the step
     counts (up to ``max_steps``) cache-dit's own mask builder accepts (empty: not checked).
     ``max_timeout_s``: the longest ``timeout_s`` a request may ask for (seconds).
+    ``default_image_priority`` / ``default_video_priority``: the ``priority`` of a request
+    that gives none, per route (``interactive`` or ``batch``).
     """
 
     model_name: str
@@ -53,6 +55,8 @@ class ServingLimits:
     special_tokens: tuple[str, ...] = ()
     scm_preset_steps: dict = field(default_factory=dict)
     max_timeout_s: float = 3600.0
+    default_image_priority: str = "interactive"
+    default_video_priority: str = "interactive"
 
 
 def parse_size(size: str) -> tuple[int, int]:
