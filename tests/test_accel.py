@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from compat import cache_dit as cache_dit_compat
 from compat import diffusers as diffusers_compat
