@@ -187,10 +187,27 @@ def _cmd_generate(ns) -> int:
 
 
 def _cmd_video(ns) -> int:
-    job, rc = _run_client(lambda: generate_video(
-        ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed, steps=ns.steps,
-        extra=json.loads(ns.extra) if ns.extra else None, api_key=ns.api_key,
-        on_progress=lambda j: print(f"{j.status} {j.progress}%", flush=True)), ns.url)
+    from tqdm import tqdm
+
+    bars = []  # the progress bar, drawn once the job exists (a refused request prints only its error)
+
+    def show(job) -> None:  # the job's status and progress (percent) as the server reports them
+        if not bars:
+            bars.append(tqdm(total=100, file=sys.stderr, dynamic_ncols=True,
+                             bar_format="{desc:>11}: {percentage:3.0f}%|{bar}| {elapsed}"))
+        bars[0].set_description_str(str(job.status))
+        bars[0].update(max(0, int(job.progress or 0) - bars[0].n))
+
+    def run() -> dict:
+        try:
+            return generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
+                                  steps=ns.steps, extra=json.loads(ns.extra) if ns.extra else None,
+                                  api_key=ns.api_key, on_progress=show)
+        finally:
+            for bar in bars:
+                bar.close()
+
+    job, rc = _run_client(run, ns.url)
     if rc:
         return rc
     print(f"wrote {ns.output}")

@@ -183,3 +183,18 @@ def test_openai_form_with_lists_and_more_edges(url):
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "seconds"
     missing = httpx.get(f"{url}/v1/videos/x/remix", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_cli_video_shows_a_progress_bar_and_writes_the_mp4(url, tmp_path, capsys):
+    from deployments.cli import main
+
+    out = tmp_path / "clip.mp4"
+    assert main(["video", "a red circle", "-o", str(out), "--url", url, "--size", "32x32", "--steps", "3",
+                 "--extra", '{"num_frames": 5}']) == 0
+    frames, _ = decode_mp4(out.read_bytes())
+    assert frames.shape == (5, 32, 32, 3)
+    err = capsys.readouterr().err
+    assert "completed: 100%" in err and "Traceback" not in err
+    assert main(["video", "a", "-o", str(tmp_path / "x.mp4"), "--url", url, "--extra", '{"num_frames": 10}']) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error 400 invalid_value (num_frames)"), err
