@@ -250,10 +250,14 @@ class AuthConfig(_Strict):
     line or comma-separated; on KubeRay, filled from a Kubernetes Secret). ``api_keys_file``: a
     file of keys. Neither: no authentication. ``/health`` stays open; handle calls from Ray
     jobs of the same cluster are not checked (the cluster is the trust boundary).
+    ``batch_api_keys_env`` / ``batch_api_keys_file``: more keys (same formats), whose requests
+    default to ``priority: batch`` (offline jobs' keys); they turn authentication on too.
     """
 
     api_keys_env: str | None = None
     api_keys_file: str | None = None
+    batch_api_keys_env: str | None = None
+    batch_api_keys_file: str | None = None
 
 
 class AppConfig(_Strict):

@@ -256,16 +256,21 @@ class BearerAuth:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        keys = getattr(scope.get("app") and scope["app"].state, "api_keys", ()) if scope["type"] == "http" else ()
-        if keys and not scope["path"].rstrip("/").endswith("/health") and not self._authorized(scope, keys):
-            response = error_response(AuthenticationError(
-                "missing or invalid API key: send 'Authorization: Bearer <key>'", param=None, code="invalid_api_key"))
-            await response(scope, receive, send)
-            return
+        state = scope.get("app") and scope["app"].state
+        keys = getattr(state, "api_keys", ()) if scope["type"] == "http" else ()
+        if keys and not scope["path"].rstrip("/").endswith("/health"):
+            if not self._matches(scope, keys):
+                response = error_response(AuthenticationError(
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'", param=None,
+                    code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+            if self._matches(scope, getattr(state, "batch_api_keys", ())):  # request.state.default_priority
+                scope.setdefault("state", {})["default_priority"] = "batch"
         await self.app(scope, receive, send)
 
     @staticmethod
-    def _authorized(scope, keys: tuple[bytes, ...]) -> bool:
+    def _matches(scope, keys: tuple[bytes, ...]) -> bool:
         header = dict(scope.get("headers") or ()).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
@@ -275,3 +280,15 @@ class BearerAuth:
         for key in keys:  # every key compared, each in constant time
             matched |= hmac.compare_digest(token, key)
         return matched
+
+
+def key_default_priority(body, request):
+    """``body`` with ``priority`` set to its API key's default (``auth.batch_api_keys_env``)
+    when it gives none, itself or in ``extra_body``; otherwise ``body`` unchanged."""
+    default = getattr(request.state, "default_priority", None)
+    if default is None or not isinstance(body, dict) or "priority" in body:
+        return body
+    nested = body.get("extra_body")
+    if isinstance(nested, dict) and "priority" in nested:
+        return body
+    return {**body, "priority": default}

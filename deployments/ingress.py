@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.memory import IdleTrimmer
 from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
-                              json_or_form_body, load_api_keys, request_body)
+                              json_or_form_body, key_default_priority, load_api_keys, request_body)
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
@@ -46,7 +46,9 @@ class Ingress:
         self._max_body_bytes = limits["max_body_bytes"]
         auth = config.get("auth") or {}
         keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
-        api.state.api_keys = tuple(k.encode() for k in keys)
+        batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"))
+        api.state.api_keys = tuple(k.encode() for k in (*keys, *batch_keys))
+        api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
         self._caller = serve.get_replica_context().replica_id.unique_id
         self._lease: asyncio.Task | None = None
         self._waiting = 0  # requests this replica has handed to the Router and not yet answered
@@ -149,12 +151,12 @@ class Ingress:
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
     async def http_generate(self, request: Request):
         body = await json_body(request, self._max_json_bytes)
-        return (await self.generate(body)).model_dump()
+        return (await self.generate(key_default_priority(body, request))).model_dump()
 
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes)
-        return (await self.submit_video(body)).model_dump()
+        return (await self.submit_video(key_default_priority(body, request))).model_dump()
 
     @api.get("/v1/videos")
     async def http_list_videos(self):

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
 from openai import AuthenticationError, OpenAI
 
 from deployments.proxy import OpenAIErrorEnvelope
@@ -29,7 +30,10 @@ def envelope(r: httpx.Response) -> dict:
 def url(deploy, tmp_path_factory):
     keys = tmp_path_factory.mktemp("auth") / "keys"
     keys.write_text(f"{KEY}\nsk-other\n")
-    return deploy({**TINY_ARGS, "limits": LIMITS, "auth": {"api_keys_file": str(keys)}})
+    batch_keys = keys.parent / "batch-keys"
+    batch_keys.write_text("sk-batch-0\n")
+    return deploy({**TINY_ARGS, "limits": LIMITS,
+                   "auth": {"api_keys_file": str(keys), "batch_api_keys_file": str(batch_keys)}})
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,9 @@ def test_keys_are_required_and_compared(url, authed):
         r = httpx.post(f"{url}/v1/images/generations", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and envelope(r)["code"] == "invalid_api_key"
     assert authed.post("/v1/images/generations", json=body).status_code == 200
+    batch = httpx.post(f"{url}/v1/images/generations", json=body, headers={"Authorization": "Bearer sk-batch-0"},
+                       timeout=60)
+    assert batch.status_code == 200  # a batch key is a key (its requests default to priority batch)
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
     for path in ("/docs", "/redoc", "/openapi.json", "/v1/models", "/v1/stats", "/v1/videos/x"):
         assert httpx.get(f"{url}{path}", timeout=60).status_code == 401, path
@@ -125,3 +132,33 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
         assert r.status_code == status and "1.2.3.4" not in r.text and error["code"]
     assert answers[429].headers["retry-after"] == "1" and envelope(answers[429])["type"] == "rate_limit_error"
     assert ours.json() == {"error": {"message": "ours"}}
+
+
+def test_a_batch_key_defaults_its_requests_to_batch_priority():
+    """``auth.batch_api_keys_*``: the key is accepted, and its requests that give no
+    ``priority`` get ``batch`` (FastAPI app with ditserve's auth middleware, through HTTP)."""
+    from fastapi.testclient import TestClient
+
+    from deployments.http import BearerAuth, key_default_priority
+
+    app = FastAPI()
+    app.add_middleware(BearerAuth)
+    app.state.api_keys = (KEY.encode(), b"sk-batch")
+    app.state.batch_api_keys = (b"sk-batch",)
+
+    @app.post("/v1/images/generations")
+    async def echo(request: Request):
+        return key_default_priority(await request.json(), request)
+
+    client = TestClient(app)
+
+    def sent(key: str, body: dict) -> dict:
+        return client.post("/v1/images/generations", json=body, headers={"Authorization": f"Bearer {key}"}).json()
+
+    assert sent("sk-batch", {"prompt": "a"}) == {"prompt": "a", "priority": "batch"}
+    assert sent("sk-batch", {"prompt": "a", "priority": "interactive"})["priority"] == "interactive"
+    assert sent("sk-batch", {"prompt": "a", "extra_body": {"priority": "interactive"}}) == {
+        "prompt": "a", "extra_body": {"priority": "interactive"}}
+    assert sent(KEY, {"prompt": "a"}) == {"prompt": "a"}  # an ordinary key: the route's default
+    assert client.post("/v1/images/generations", json={"prompt": "a"},
+                       headers={"Authorization": "Bearer sk-nope"}).status_code == 401
