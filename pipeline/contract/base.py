@@ -67,6 +67,14 @@ def _tokenizable(field: str, value: str, limits: ServingLimits | None) -> str:
     return value
 
 
+def one_of(field: str, value, allowed: tuple[str, ...]):
+    """``value`` when it is one of ``allowed``; else ``ValueError`` naming ``field`` and the
+    allowed values."""
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {shown(value)}")
+    return value
+
+
 class GenerationRequest(BaseModel):
     """Fields and checks shared by image and video requests (see ``images`` and ``videos``)."""
 
@@ -102,9 +110,7 @@ class GenerationRequest(BaseModel):
     @field_validator("priority")
     @classmethod
     def _priority(cls, v: str | None) -> str | None:
-        if v is not None and v not in set(Priority):
-            raise ValueError(f"priority must be one of {', '.join(Priority)}, got {shown(v)}")
-        return v
+        return v if v is None else one_of("priority", v, tuple(Priority))
 
     @field_validator("prompt")
     @classmethod
@@ -172,8 +178,8 @@ class GenerationRequest(BaseModel):
     @field_validator("attention_backend_override")
     @classmethod
     def _attention_backend_override(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is not None and v not in kernel_names():
-            raise ValueError(f"attention_backend_override must be one of {', '.join(kernel_names())}, got {shown(v)}")
+        if v is not None:
+            one_of("attention_backend_override", v, kernel_names())
         limits = limits_of(info)
         if v is not None and limits and limits.attention_rejections.get(v):
             raise ValueError(f"attention_backend_override {v!r} cannot run on this deployment: "

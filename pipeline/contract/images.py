@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, validate_body
+from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, one_of, validate_body
 from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
@@ -50,9 +50,7 @@ class ImageGenerationRequest(GenerationRequest):
     @field_validator("output_format")
     @classmethod
     def _output_format(cls, v: str) -> str:
-        if v not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {shown(v)}")
-        return v
+        return one_of("output_format", v, OUTPUT_FORMATS)
 
     @field_validator("output_compression")
     @classmethod
