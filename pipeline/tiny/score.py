@@ -42,3 +42,31 @@ def read_image(image: np.ndarray) -> dict:
     else:
         shape = "star"
     return {**result, "shape": shape, "fill": float(fill)}
+
+
+def _foreground(x: np.ndarray) -> np.ndarray:
+    """Pixels far (> 60 in RGB distance) from the border's median colour: (H, W) bool."""
+    border = np.concatenate([x[0], x[-1], x[:, 0], x[:, -1]])
+    return np.sqrt(((x - np.median(border, axis=0)) ** 2).sum(-1)) > 60
+
+
+DARK_LUMINANCE = 50  # below every caption colour's luminance but black's (blue, the darkest: 78)
+
+
+def style_scores(image: np.ndarray) -> dict:
+    """What the embedded LoRA adapters change (``pipeline.tiny.lora``), read from pixels.
+
+    image: (64, 64, 3) uint8 → ``magenta_distance``: RGB distance (0..441) of the foreground's
+    median colour from ``MAGENTA`` (None without a foreground); ``dark_fraction``: the fraction
+    of pixels darker (luminance, ITU-R BT.601) than ``DARK_LUMINANCE``, which only a black outline
+    makes (for captions without black).
+    """
+    from pipeline.tiny.data import MAGENTA
+
+    x = image.astype(np.float64)
+    mask = _foreground(x)
+    dark = float(((x @ np.array([0.299, 0.587, 0.114])) < DARK_LUMINANCE).mean())
+    if mask.sum() < 12:
+        return {"magenta_distance": None, "dark_fraction": dark}
+    return {"magenta_distance": float(np.sqrt(((np.median(x[mask], axis=0) - MAGENTA) ** 2).sum())),
+            "dark_fraction": dark}
