@@ -17,9 +17,10 @@ import torch
 from compat import torch as torch_compat
 from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import BatchCancelled, InvalidRequestError, SharedFailure
+from pipeline.errors import BatchCancelled, InternalError, InvalidRequestError, SharedFailure
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
+from pipeline.lora import AdapterLoadError, LoraAdapters
 from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, plan_batch
 from pipeline.media import encode_image, encode_mp4
 from pipeline.sampling import SamplingParams
@@ -59,13 +60,18 @@ class BatchRunner:
     ``paired``; None: what the checkpoint declares). ``components``: ``"all"``, or
     ``"denoiser"`` on sequence-parallel ranks other than 0 (no text encoders, no VAE: rank 0
     encodes for every rank and decodes alone). ``vae_slicing``: decode one sample at a time.
-    Raises ``FileNotFoundError`` / ``ValueError`` when the checkpoint cannot be found or served.
+    ``loras``: the LoRA adapters registered at start (name -> path; each is checked against the
+    model now), ``max_loaded_loras`` kept in the LRU; with ``torch_compile`` the transformer gets
+    ``max_loras`` hot-swap slots of rank ``lora_max_rank`` (``pipeline.lora``).
+    Raises ``FileNotFoundError`` / ``ValueError`` when the checkpoint cannot be found or served,
+    or a registered adapter does not fit the model.
     """
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
                  dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None,
                  vae_slicing: bool = False, *, attention_backend: str | None = None, torch_compile: bool = False,
-                 compile_backend: str = "inductor", components: str = "all"):
+                 compile_backend: str = "inductor", components: str = "all", loras: dict[str, str] | None = None,
+                 max_loaded_loras: int = 4, max_loras: int = 4, lora_max_rank: int = 64):
         checkpoint = resolve_checkpoint(name, path)
         self.name = name
         self.family_name = family or detect_family(checkpoint)
@@ -81,6 +87,10 @@ class BatchRunner:
             configure_compile(torch.device(self.family.device))
         self.rank, self.world_size = 0, 1
         transformers = self.family.transformers
+        hotswap = (max_loras, lora_max_rank, dict(loras)) if torch_compile and loras else None
+        self.lora = LoraAdapters(self.family.pipe, transformers["transformer"], max_loaded_loras, hotswap=hotswap)
+        for adapter, adapter_path in (loras or {}).items():
+            self.lora.check(adapter, adapter_path)
         self.cache = {name: CacheDiTExecutor(module) for name, module in transformers.items()}
         self.attention = AttentionSwitch(list(transformers.values()))
         self.state = ReplicaState()
@@ -128,7 +138,7 @@ class BatchRunner:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's
         record of this process (``compat.torch.dynamo_counts``: graphs compiled, frames that hit
         the recompile limit and run uncompiled)."""
-        total = {"compiles": self.compiles, "attention_switches": self.attention.switches}
+        total = {"compiles": self.compiles, "attention_switches": self.attention.switches, **self.lora.counters}
         if self.torch_compile:
             total.update(torch_compat.dynamo_counts())
         for executor in self.cache.values():
@@ -144,7 +154,9 @@ class BatchRunner:
         """The state for ``/v1/stats``: the primary transformer's Cache-DiT key and the kernel."""
         key = self.state.cache_key("transformer")
         return {"cache_dit_key": None if key is None else key.params.model_dump(exclude_none=True),
-                "attention_backend": self.state.attention_backend or "default"}
+                "attention_backend": self.state.attention_backend or "default",
+                "loras_active": [f"{s.name}:{s.scale:g}" for s in self.state.loras],
+                "loras_loaded": self.lora.loaded_names()}
 
     # -- the state transition ----------------------------------------------------------------
     def wanted_state(self, head: SamplingParams, schedule: BatchSchedule) -> ReplicaState:
@@ -156,13 +168,22 @@ class BatchRunner:
              else CacheKey(head.cache_dit_params.for_transformer(name), separate_cfg.get(name, False)))
             for name, steps in schedule.run_steps.items() if steps))
         compiled = frozenset(self.family.transformers) if self.torch_compile else frozenset()
-        return ReplicaState(head.attention_backend or self.default_kernel, cache, compiled)
+        return ReplicaState(head.attention_backend or self.default_kernel, cache, compiled, head.lora)
 
     def _execute(self, batch_id: str, action: Action, head: SamplingParams | None,
                  schedule: BatchSchedule | None) -> None:
         logger.info("batch %s: %s %s", batch_id, action.kind, action.target or "default")
         kind, name = action.kind, action.target
-        if kind == ActionKind.SWITCH_KERNEL:
+        if kind == ActionKind.SET_LORAS:
+            from parallel.sharding import sequence_split_suspended
+
+            try:  # diffusers' split/gather hooks come off and go back on the layers LoRA wraps (proj_out)
+                with sequence_split_suspended(self.family.transformers["transformer"]):
+                    self.lora.activate(action.loras)
+            except AdapterLoadError:
+                self.state = after(self.state, Action(ActionKind.SET_LORAS, None))  # on the base model now
+                raise
+        elif kind == ActionKind.SWITCH_KERNEL:
             self.attention.apply(self.attention.prepare(name))  # prepare may raise; apply cannot
         elif kind == ActionKind.COMPILE:
             self.family.transformers[name].compile(backend=self.compile_backend)
@@ -191,11 +212,16 @@ class BatchRunner:
         for action in actions:
             try:
                 self._execute(batch_id, action, head, schedule)
+            except AdapterLoadError as exc:
+                logger.error("batch %s: %s", batch_id, exc)
+                raise InternalError(f"LoRA adapter {exc.adapter!r} could not be loaded "
+                                    f"({type(exc.__cause__).__name__}); it was unloaded and the replica keeps "
+                                    "serving", param="lora", code="lora_load_failed") from None
             except Exception as exc:
                 raise StateTransitionError(f"{action.kind} {action.target or 'default'} failed: "
                                            f"{type(exc).__name__}: {exc}") from exc
         done = {a.target: CacheTransition(a.kind.value) for a in actions
-                if a.kind not in (ActionKind.SWITCH_KERNEL, ActionKind.COMPILE)}
+                if a.kind not in (ActionKind.SET_LORAS, ActionKind.SWITCH_KERNEL, ActionKind.COMPILE)}
         self.last_transitions = {name: done.get(name, CacheTransition.NONE) for name, _ in wanted.cache_dit}
 
     def reset_cache(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.limits import ServingLimits, parse_size
+from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.modes import GuidanceMode, Priority
 
@@ -49,7 +50,8 @@ class SamplingParams:
     request's ``guidance_scale``; None for models without a guidance embedding).
     ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
     defaults), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
-    ``fps`` only matters to the MP4 container.
+    ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
+    name (empty: the base model).
     """
 
     request_id: str
@@ -77,6 +79,7 @@ class SamplingParams:
     cfg_scale_2: float | None = None
     boundary_ratio: float | None = None  # None: the model's own
     fps: int = 0
+    lora: tuple[LoraSpec, ...] = ()
 
     @property
     def guided(self) -> bool:
@@ -127,6 +130,12 @@ def _guidance(request, limits: ServingLimits) -> dict:
             "embedded_guidance_scale": None, "negative_prompt": (request.negative_prompt or "") if guided else None}
 
 
+def _loras(request, limits: ServingLimits) -> tuple[LoraSpec, ...]:
+    """The request's adapter set: the ``model`` adapter (``"<base>:<adapter>"``) and ``lora``."""
+    adapter = None if request.model is None else split_model(request.model, limits.model_name)
+    return resolve_loras(request.lora, adapter, limits.loras)
+
+
 def _seed(request) -> int:
     """The request's seed, or one drawn here so the answer can report it and be replayed."""
     return request.seed if request.seed is not None else secrets.randbelow(2**31)
@@ -152,6 +161,7 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         output_compression=request.output_compression,
         timeout_s=request.timeout_s,
         priority=Priority(request.priority or limits.default_image_priority),
+        lora=_loras(request, limits),
         **_guidance(request, limits),
         **_acceleration(request, defaults),
     )
@@ -175,6 +185,7 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
         response_format="mp4",
         timeout_s=request.timeout_s,
         priority=Priority(request.priority or limits.default_video_priority),
+        lora=_loras(request, limits),
         cfg_scale_2=request.guidance_scale_2,
         boundary_ratio=request.boundary_ratio,
         fps=request.fps or limits.default_fps,

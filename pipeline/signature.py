@@ -40,6 +40,7 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "cfg_scale_2": True,
     "boundary_ratio": True,     # which expert runs which step
     "fps": False,               # only the MP4 container's frame rate
+    "lora": True,               # the adapter set (names, scales, files): replica state
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 
@@ -82,7 +83,8 @@ class BatchSignature:
         if d["boundary_ratio"] is not None:
             guidance.append(f"boundary_ratio={d['boundary_ratio']}")
         cache = "off" if not d["enable_cache_dit"] else f"on{d['cache_dit_params'].describe()}"
-        return (f"{d['model']} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
+        lora = "".join(f" lora={s.name}:{s.scale:g}" for s in d["lora"])
+        return (f"{d['model']}{lora} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
                 f"{' '.join(guidance)} cache_dit={cache} cfg_gate_step={d['cfg_gate_fraction']} "
                 f"attn={d['attention_backend'] or 'default'} [{self.digest}]")
 

@@ -1,10 +1,11 @@
 """The acceleration state of one rank as one value, and the pure table that moves it.
 
 A replica changes state only at batch boundaries. :class:`ReplicaState` is what a rank holds:
-the attention kernel its layers dispatch to, the Cache-DiT key mounted on each transformer,
-and the transformers already compiled. :func:`plan_transition` decides, from the current state
-and the state a batch wants, the ordered actions that get there (the design's order: kernel,
-then Cache-DiT, then torch.compile, so compile traces the mounted path); the runner only
+the active LoRA adapter set, the attention kernel its layers dispatch to, the Cache-DiT key
+mounted on each transformer, and the transformers already compiled. :func:`plan_transition`
+decides, from the current state and the state a batch wants, the ordered actions that get there
+(the design's order: adapters, kernel, then Cache-DiT, so Cache-DiT sees the adapted model, then
+torch.compile, so compile traces the mounted path); the runner only
 executes them (``pipeline.runner``). Pure and torch-free, so the table is tested directly.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.lora import LoraSpec
 from pipeline.modes import StrEnum
 
 
@@ -35,6 +37,7 @@ class CacheTransition(StrEnum):
 class ActionKind(StrEnum):
     """One step of a state transition, as the runner performs it."""
 
+    SET_LORAS = "set_loras"
     SWITCH_KERNEL = "switch_kernel"
     MOUNT = "mount"
     REFRESH = "refresh"
@@ -63,6 +66,7 @@ class ReplicaState:
     ``attention_backend``: the kernel every switchable layer dispatches to (None: diffusers'
     default). ``cache_dit``: ``(transformer name, key or None)`` pairs, sorted by name.
     ``compiled``: names of the transformers torch.compile has wrapped (never undone).
+    ``loras``: the active LoRA adapter set, sorted by name (empty: the base model).
 
     As the *wanted* state of a batch, ``cache_dit`` lists only the transformers that run in
     it: a transformer absent from it keeps whatever it has.
@@ -71,6 +75,7 @@ class ReplicaState:
     attention_backend: str | None = None
     cache_dit: tuple[tuple[str, CacheKey | None], ...] = ()
     compiled: frozenset[str] = frozenset()
+    loras: tuple[LoraSpec, ...] = ()
 
     def cache_key(self, name: str) -> CacheKey | None:
         return dict(self.cache_dit).get(name)
@@ -88,11 +93,13 @@ class ReplicaState:
 @dataclass(frozen=True)
 class Action:
     """One step: ``kind`` on ``target`` (a transformer name; for ``SWITCH_KERNEL`` the kernel
-    name, None for diffusers' default), with the Cache-DiT ``key`` to mount or refresh."""
+    name, None for diffusers' default), with the Cache-DiT ``key`` to mount or refresh, or for
+    ``SET_LORAS`` the adapter set to activate (``loras``; target None)."""
 
     kind: ActionKind
     target: str | None
     key: CacheKey | None = None
+    loras: tuple[LoraSpec, ...] = ()
 
 
 def cache_transition(active: CacheKey | None, wanted: CacheKey | None) -> CacheTransition:
@@ -105,10 +112,13 @@ def cache_transition(active: CacheKey | None, wanted: CacheKey | None) -> CacheT
 
 
 def plan_transition(current: ReplicaState, wanted: ReplicaState) -> list[Action]:
-    """The actions that move ``current`` to ``wanted``, in order: switch the kernel (if it
-    differs), one Cache-DiT action per transformer that runs (a same-key refresh included),
+    """The actions that move ``current`` to ``wanted``, in order: activate the adapter set (if
+    it differs), switch the kernel (if it differs), one Cache-DiT action per transformer that
+    runs (a same-key refresh included, which also resets the context after an adapter change),
     then compile each wanted transformer not compiled yet (after mounting, never twice)."""
     actions = []
+    if wanted.loras != current.loras:
+        actions.append(Action(ActionKind.SET_LORAS, None, loras=wanted.loras))
     if wanted.attention_backend != current.attention_backend:
         actions.append(Action(ActionKind.SWITCH_KERNEL, wanted.attention_backend))
     for name, key in wanted.cache_dit:
@@ -122,6 +132,8 @@ def plan_transition(current: ReplicaState, wanted: ReplicaState) -> list[Action]
 
 def after(state: ReplicaState, action: Action) -> ReplicaState:
     """The state once ``action`` has succeeded."""
+    if action.kind == ActionKind.SET_LORAS:
+        return replace(state, loras=action.loras)
     if action.kind == ActionKind.SWITCH_KERNEL:
         return replace(state, attention_backend=action.target)
     if action.kind == ActionKind.COMPILE:

@@ -67,9 +67,10 @@ class ModelFacts:
     special_tokens: tuple[str, ...] = ()
     scm_preset_steps: dict = field(default_factory=dict)
 
-    def limits(self, model_name: str, limits: dict) -> ServingLimits:
+    def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
-        (``deployments.config.LimitsConfig`` as a dict)."""
+        (``deployments.config.LimitsConfig`` as a dict) and the registered LoRA adapters
+        (name -> ``pipeline.contract.lora.LoraEntry``)."""
         width, height = parse_size(limits["default_size"])
         return ServingLimits(
             model_name=model_name, spatial_factor=self.spatial_factor, default_width=width, default_height=height,
@@ -83,7 +84,8 @@ class ModelFacts:
             special_tokens=self.special_tokens, scm_preset_steps=self.scm_preset_steps,
             max_timeout_s=limits.get("max_timeout_s", 3600.0),
             default_image_priority=limits.get("default_image_priority", "interactive"),
-            default_video_priority=limits.get("default_video_priority", "interactive"))
+            default_video_priority=limits.get("default_video_priority", "interactive"),
+            loras=dict(loras or {}), max_loras=limits.get("max_loras", 4))
 
 
 class Report(BaseModel):

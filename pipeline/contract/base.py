@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size
+from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
 from pipeline.modes import DualMode, GuidanceMode, Priority
@@ -94,6 +95,7 @@ class GenerationRequest(BaseModel):
     attention_backend_override: str | None = None
     timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: str | None = None
+    lora: list[LoraRequest] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +113,23 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _priority(cls, v: str | None) -> str | None:
         return v if v is None else one_of("priority", v, tuple(Priority))
+
+    @field_validator("lora")
+    @classmethod
+    def _lora(cls, v: list[LoraRequest] | None, info: ValidationInfo) -> list[LoraRequest] | None:
+        """At most ``max_loras`` adapters, each named once (registration is checked by
+        :func:`validate_body`: an unknown adapter is a 404)."""
+        if v is None:
+            return v
+        limits = limits_of(info)
+        top = limits.max_loras if limits else None
+        if top is not None and len(v) > top:
+            raise ValueError(f"lora lists {len(v)} adapters; at most {top} are allowed (limits.max_loras)")
+        names = [item.name for item in v]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora names adapter(s) {', '.join(map(repr, repeated))} more than once")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -314,13 +333,9 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param="body")
     check_shape(body, limits)
-    model = body.get("model")
-    if model is not None and model != limits.model_name:
-        raise ModelNotFoundError(
-            f"model {shown(model)} is not served here; available: {limits.model_name!r}", param="model",
-            code="model_not_found")
+    adapter = model_adapter(body.get("model"), limits)
     try:
-        return model_class.model_validate(body, context={"limits": limits})
+        request = model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         described = [describe_error(e, model_class) for e in errors[:MAX_ERRORS_LISTED]]
@@ -328,3 +343,44 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         if len(errors) > MAX_ERRORS_LISTED:
             message += f"; and {len(errors) - MAX_ERRORS_LISTED} more problems"
         raise InvalidRequestError(message, param=described[0][0], code="invalid_value") from None
+    check_loras(request, adapter, limits)
+    return request
+
+
+def served_models(limits: ServingLimits) -> str:
+    """The model ids a request may name, as text: the base model and one per adapter."""
+    return ", ".join(repr(m) for m in [limits.model_name, *(adapter_model_id(limits.model_name, n)
+                                                              for n in sorted(limits.loras))])
+
+
+def model_adapter(model: Any, limits: ServingLimits) -> str | None:
+    """The registered adapter ``model`` names (``"<base>:<adapter>"``; None: the base model or
+    no ``model``). Raises ``ModelNotFoundError`` (404) for any other value."""
+    if model is None or model == limits.model_name:
+        return None
+    try:
+        adapter = split_model(model, limits.model_name) if isinstance(model, str) else None
+    except KeyError:
+        adapter = None
+    if adapter not in limits.loras:
+        raise ModelNotFoundError(f"model {shown(model)} is not served here; available: {served_models(limits)}",
+                                 param="model", code="model_not_found")
+    return adapter
+
+
+def check_loras(request: GenerationRequest, adapter: str | None, limits: ServingLimits) -> None:
+    """Every adapter a validated request names is registered (else ``ModelNotFoundError``,
+    404, naming it), and the ``model`` adapter plus ``lora`` stay within ``max_loras`` without
+    naming one twice (else ``InvalidRequestError``)."""
+    names = [item.name for item in request.lora or ()]
+    if adapter is not None and adapter in names:
+        raise InvalidRequestError(f"lora names adapter {adapter!r}, which model already selects; name it once",
+                                  param="lora", code="invalid_value")
+    if adapter is not None and len(names) + 1 > limits.max_loras:
+        raise InvalidRequestError(f"model and lora select {len(names) + 1} adapters; at most {limits.max_loras} "
+                                  "are allowed (limits.max_loras)", param="lora", code="invalid_value")
+    unknown = [n for n in names if n not in limits.loras]
+    if unknown:
+        registered = ", ".join(map(repr, sorted(limits.loras))) or "none"
+        raise ModelNotFoundError(f"LoRA adapter {unknown[0]!r} is not registered on this server; registered: "
+                                 f"{registered}", param="lora", code="lora_not_found")

@@ -28,7 +28,9 @@ class ServingLimits:
     counts (up to ``max_steps``) cache-dit's own mask builder accepts (empty: not checked).
     ``max_timeout_s``: the longest ``timeout_s`` a request may ask for (seconds).
     ``default_image_priority`` / ``default_video_priority``: the ``priority`` of a request
-    that gives none, per route (``interactive`` or ``batch``).
+    that gives none, per route (``interactive`` or ``batch``). ``loras``: the registered LoRA
+    adapters by name (``pipeline.contract.lora.LoraEntry``); ``max_loras``: the most a request
+    may name.
     """
 
     model_name: str
@@ -57,6 +59,8 @@ class ServingLimits:
     max_timeout_s: float = 3600.0
     default_image_priority: str = "interactive"
     default_video_priority: str = "interactive"
+    loras: dict = field(default_factory=dict)
+    max_loras: int = 4
 
 
 def parse_size(size: str) -> tuple[int, int]:

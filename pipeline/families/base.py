@@ -40,6 +40,7 @@ class ModelFamily(Protocol):
     """What ``pipeline.loop``, ``pipeline.runner`` and ``parallel/`` use of a model family."""
 
     family: ClassVar[str]                   # registry name, e.g. "flux"
+    pipe: Any                               # the diffusers pipeline (LoRA files load through its loader mixin)
     pipeline_classes: ClassVar[tuple[str, ...]]  # diffusers pipeline class names it serves
     device: torch.device
     dtype: torch.dtype                      # the transformers' dtype

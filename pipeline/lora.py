@@ -1,0 +1,248 @@
+"""LoRA adapters on one rank: checked at registration, loaded into an LRU, activated per batch.
+
+Everything goes through diffusers / PEFT, never our own weight patching:
+
+* **eager** (no torch.compile): each adapter is loaded with the pipeline's own
+  ``load_lora_weights`` (diffusers' converters read diffusers/PEFT, kohya and xlabs FLUX
+  files) under its registered name, kept in an LRU of ``max_loaded`` adapters (the least
+  recently used one is deleted with ``delete_adapters``), and a batch's set is activated with
+  ``set_adapters(names, scales)``; the base model is ``disable_lora``.
+* **hot-swap** (torch.compile on): diffusers' LoRA hot-swap (``load_lora_adapter(...,
+  hotswap=True)``, after ``enable_lora_hotswap``-style preparation: PEFT's
+  ``prepare_model_for_compiled_hotswap`` pads every slot to ``max_rank`` and turns the scalings
+  into tensors). The transformer carries ``slots`` adapter slots, all always active, created
+  before compilation over the union of the registered adapters' target modules; a batch's
+  adapters are swapped into the slots (scale folded into ``lora_B``), unused slots hold zeros.
+  The compiled graph never changes, so switching adapters never recompiles. The LRU then keeps
+  the adapters' state dicts in host memory.
+
+Counters (``loads``, ``evictions``, ``hits``) feed ``/v1/stats`` and Prometheus.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from pipeline.contract.lora import LoraSpec
+
+logger = logging.getLogger("ditserve.lora")
+SLOT_PREFIX = "ditserve_slot"
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter's file could not be loaded (missing, corrupt, not a LoRA): the batch that
+    wanted it fails, naming ``adapter``; the rank unloads what it had of it and keeps serving."""
+
+    def __init__(self, adapter: str, cause: BaseException):
+        super().__init__(f"LoRA adapter {adapter!r} could not be loaded ({type(cause).__name__}: {cause})")
+        self.adapter = adapter
+
+
+def lora_state_dict(pipe, path: str) -> dict[str, torch.Tensor]:
+    """The transformer part of the LoRA file(s) at ``path``, converted to diffusers/PEFT keys by
+    the pipeline's own ``lora_state_dict`` (kohya / xlabs / PEFT formats); keys start with
+    ``transformer.``. Raises ``ValueError`` when the file has weights for another component
+    (text encoders: only transformer adapters are served) or no LoRA weights at all, and
+    ``FileNotFoundError`` when ``path`` does not exist."""
+    local = Path(path)
+    if not local.exists():
+        raise FileNotFoundError(f"{path} does not exist (adapters are local files)")
+    kwargs = {"weight_name": local.name} if local.is_file() else {}
+    source = str(local.parent) if local.is_file() else str(local)
+    state_dict = type(pipe).lora_state_dict(source, **kwargs)
+    if isinstance(state_dict, tuple):  # (state_dict, network_alphas[, metadata])
+        state_dict = state_dict[0]
+    other = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
+    if other:
+        raise ValueError(f"has weights for {', '.join(other)}; only transformer adapters are served")
+    if not any("lora" in k for k in state_dict):
+        raise ValueError("has no LoRA weights")
+    return state_dict
+
+
+def adapter_problems(transformer: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Why an adapter's (converted) state dict cannot apply to ``transformer``: LoRA targets
+    that are not linear layers of the model, and ``lora_A`` / ``lora_B`` shapes that do not fit
+    the layer's ``(rank, in_features)`` / ``(out_features, rank)``."""
+    modules = dict(transformer.named_modules())
+    problems = []
+    for key, value in state_dict.items():
+        name = key.removeprefix("transformer.")
+        for part in (".lora_A.", ".lora_B."):
+            if part not in name:
+                continue
+            target = modules.get(name.split(part)[0])
+            base = getattr(target, "base_layer", target)
+            if not isinstance(base, torch.nn.Linear):
+                problems.append(f"{name.split(part)[0]} is not a linear layer of the model")
+            elif part == ".lora_A." and value.ndim == 2 and value.shape[1] != base.in_features:
+                problems.append(f"{name}: {tuple(value.shape)} does not fit in_features={base.in_features}")
+            elif part == ".lora_B." and value.ndim == 2 and value.shape[0] != base.out_features:
+                problems.append(f"{name}: {tuple(value.shape)} does not fit out_features={base.out_features}")
+    return problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else [])
+
+
+def lora_rank(state_dict: dict[str, torch.Tensor]) -> int:
+    """The highest LoRA rank in a state dict (``lora_B`` columns)."""
+    return max((v.shape[1] for k, v in state_dict.items() if "lora_B" in k and v.ndim == 2), default=0)
+
+
+class LoraAdapters:
+    """The adapters of one rank's pipeline (see the module docstring).
+
+    ``pipe``: the family's diffusers pipeline; ``transformer``: its transformer.
+    ``max_loaded``: adapters kept loaded (LRU). ``hotswap``: ``(slots, max_rank, registry)``
+    for torch.compile (``registry``: name -> path of the adapters registered at start, whose
+    target modules the slots cover); None for eager switching.
+    """
+
+    def __init__(self, pipe, transformer: torch.nn.Module, max_loaded: int = 4,
+                 hotswap: tuple[int, int, dict[str, str]] | None = None):
+        self.pipe = pipe
+        self.transformer = transformer
+        self.max_loaded = max_loaded
+        self.loaded: OrderedDict[str, tuple[str, object]] = OrderedDict()  # name -> (path, state dict | None)
+        self.active: tuple[LoraSpec, ...] = ()
+        self.counters = {"lora_loads": 0, "lora_evictions": 0, "lora_hits": 0}
+        self.slots: list[str] = []
+        if hotswap is not None:
+            self._create_slots(*hotswap)
+
+    # -- registration -------------------------------------------------------------------
+    def check(self, name: str, path: str) -> None:
+        """Refuse an adapter that cannot apply to this model, before any request names it.
+        Raises ``ValueError`` naming the adapter and every problem found."""
+        try:
+            state_dict = lora_state_dict(self.pipe, path)
+        except Exception as exc:  # noqa: BLE001 - any reading failure is the adapter's problem
+            raise ValueError(f"model.loras.{name}: cannot read {path}: {type(exc).__name__}: {exc}") from None
+        problems = adapter_problems(self.transformer, state_dict)
+        if self.slots:
+            problems += self._slot_problems(state_dict)
+        if problems:
+            raise ValueError(f"model.loras.{name} ({path}) does not fit the model: " + "; ".join(problems))
+
+    # -- hot-swap slots ---------------------------------------------------------------
+    def _create_slots(self, slots: int, max_rank: int, registry: dict[str, str]) -> None:
+        from peft import LoraConfig
+        from peft.utils.hotswap import prepare_model_for_compiled_hotswap
+
+        targets = set()
+        for name, path in registry.items():
+            state_dict = lora_state_dict(self.pipe, path)
+            rank = lora_rank(state_dict)
+            if rank > max_rank:
+                raise ValueError(f"model.loras.{name} has rank {rank}, above model.lora_max_rank={max_rank}")
+            targets |= {k.removeprefix("transformer.").split(".lora_")[0] for k in state_dict if ".lora_" in k}
+        if not targets:
+            return
+        self.targets = sorted(targets)
+        self.max_rank = max_rank
+        self.slots = [f"{SLOT_PREFIX}{i}" for i in range(slots)]
+        for slot in self.slots:  # zero slots: lora_B starts at zero, so the model is the base model
+            self.transformer.add_adapter(LoraConfig(r=max_rank, lora_alpha=max_rank, target_modules=self.targets),
+                                         adapter_name=slot)
+        self.transformer.set_adapters(self.slots, [1.0] * len(self.slots))
+        prepare_model_for_compiled_hotswap(self.transformer, target_rank=max_rank)  # scalings become tensors
+
+    def _slot_problems(self, state_dict) -> list[str]:
+        rank = lora_rank(state_dict)
+        outside = sorted({k.removeprefix("transformer.").split(".lora_")[0] for k in state_dict if ".lora_" in k}
+                         - set(self.targets))
+        problems = [f"rank {rank} is above model.lora_max_rank={self.max_rank}"] if rank > self.max_rank else []
+        if outside:
+            problems.append(f"with torch_compile, adapters added later may only target the layers of the adapters "
+                            f"registered at start; {outside[0]} is not one of them")
+        return problems
+
+    def _swap_in(self, slot: str, spec: LoraSpec | None) -> None:
+        if spec is None:
+            for module in self.transformer.modules():
+                if slot in getattr(module, "lora_B", {}):
+                    module.lora_B[slot].weight.data.zero_()
+            return
+        state_dict = self.loaded[spec.name][1]
+        scaled = {k: v * spec.scale if ".lora_B." in k else v for k, v in state_dict.items()}
+        self.transformer.load_lora_adapter(scaled, prefix="transformer", adapter_name=slot, hotswap=True)
+
+    # -- per batch ----------------------------------------------------------------------
+    def _load(self, spec: LoraSpec) -> None:
+        entry = self.loaded.get(spec.name)
+        if entry is not None and entry[0] == spec.path:
+            self.loaded.move_to_end(spec.name)
+            self.counters["lora_hits"] += 1
+            return
+        if entry is not None:  # re-registered under the same name with another file
+            self._evict(spec.name)
+        try:
+            if self.slots:
+                state_dict = lora_state_dict(self.pipe, spec.path)
+                problems = adapter_problems(self.transformer, state_dict) + self._slot_problems(state_dict)
+                if problems:
+                    raise ValueError("; ".join(problems))
+                self.loaded[spec.name] = (spec.path, state_dict)
+            else:
+                path = Path(spec.path)
+                kwargs = {"weight_name": path.name} if path.is_file() else {}
+                self.pipe.load_lora_weights(str(path.parent if path.is_file() else path), adapter_name=spec.name,
+                                            **kwargs)
+                self.loaded[spec.name] = (spec.path, None)
+        except Exception as exc:
+            self._unload_partial(spec.name)
+            raise AdapterLoadError(spec.name, exc) from exc
+        self.counters["lora_loads"] += 1
+        logger.info("LoRA adapter %s loaded (%d loaded)", spec.name, len(self.loaded))
+
+    def _unload_partial(self, name: str) -> None:
+        self.loaded.pop(name, None)
+        if not self.slots and name in getattr(self.transformer, "peft_config", {}):
+            self.pipe.delete_adapters(name)
+
+    def _evict(self, name: str) -> None:
+        self.loaded.pop(name)
+        if not self.slots:
+            self.pipe.delete_adapters(name)
+        self.counters["lora_evictions"] += 1
+        logger.info("LoRA adapter %s evicted", name)
+
+    def activate(self, specs: tuple[LoraSpec, ...]) -> None:
+        """Make ``specs`` the active adapter set (empty: the base model): load what is missing
+        (evicting the least recently used adapters not in ``specs`` beyond ``max_loaded``), then
+        activate. Raises ``AdapterLoadError`` naming the adapter that failed; the rank is then
+        on the base model with every adapter that did load still in the LRU."""
+        self.active = ()
+        try:
+            for spec in specs:
+                self._load(spec)
+            wanted = {s.name for s in specs}
+            for name in [n for n in self.loaded if n not in wanted]:
+                if len(self.loaded) <= max(self.max_loaded, len(wanted)):
+                    break
+                self._evict(name)
+        except AdapterLoadError:
+            self._base()
+            raise
+        if self.slots:
+            for i, slot in enumerate(self.slots):
+                self._swap_in(slot, specs[i] if i < len(specs) else None)
+        elif specs:
+            self.transformer.enable_lora()
+            self.transformer.set_adapters([s.name for s in specs], [s.scale for s in specs])
+        else:
+            self._base()
+        self.active = specs
+
+    def _base(self) -> None:
+        if self.slots:
+            for slot in self.slots:
+                self._swap_in(slot, None)
+        elif getattr(self.transformer, "peft_config", None):
+            self.transformer.disable_lora()
+
+    def loaded_names(self) -> list[str]:
+        """Adapters held, least recently used first."""
+        return list(self.loaded)
