@@ -36,8 +36,9 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     DiTReplica: its request router (the state-affinity chooser when ``batching.affinity``),
     replica count or autoscaling on the Router's queue, and with ``world_size > 1`` one
     placement-group bundle per rank (``STRICT_PACK``; the replica actor, rank 0, takes bundle 0
-    and its resources). Router and Ingress: their ``user_config`` (batching knobs, acceleration
-    defaults), which Serve applies to running replicas without restarting them. Graceful
+    and its resources). Router, Ingress and DiTReplica: their ``user_config`` (batching knobs;
+    acceleration defaults and the LoRA registry; the LoRA registry), which Serve applies to
+    running replicas without restarting them. Graceful
     shutdown: ``replica.graceful_shutdown_timeout_s`` for DiTReplica, staggered after it for the
     Router and then the Ingress, which outlives the Router to answer for it.
     """
@@ -66,9 +67,11 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     # Shutdown order (Serve stops all three at once, each killed after its own timeout): the
     # running batch finishes (grace), then the Router goes, and the Ingress, still up, answers
     # the requests the Router held with 503 "unavailable".
+    loras = {name: settings.model_dump() for name, settings in config.model.loras.items()}
+    replica["user_config"] = {"loras": loras}
     return {"DiTReplica": replica,
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S},
-            "Ingress": {"user_config": config.acceleration.model_dump(),
+            "Ingress": {"user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
                         "max_ongoing_requests": admission_limit(config),
                         "max_queued_requests": INGRESS_PROXY_QUEUE,

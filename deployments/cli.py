@@ -175,10 +175,26 @@ def _run_client(call, url: str):
         return None, 1
 
 
+def lora_arg(value: str) -> dict:
+    """``--lora NAME[:SCALE]`` → one entry of the request's ``lora`` list."""
+    name, _, scale = value.rpartition(":") if ":" in value else (value, "", "")
+    try:
+        return {"name": name, **({"scale": float(scale)} if scale else {})}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a number), got {value!r}") from None
+
+
+def _with_loras(extra: str | None, loras: list[dict] | None) -> dict | None:
+    body = json.loads(extra) if extra else None
+    if loras:
+        body = {**(body or {}), "lora": loras}
+    return body
+
+
 def _cmd_generate(ns) -> int:
     meta, rc = _run_client(lambda: generate_image(
         ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-        extra=json.loads(ns.extra) if ns.extra else None, api_key=ns.api_key), ns.url)
+        extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key), ns.url)
     if rc:
         return rc
     print(f"wrote {ns.output}")
@@ -201,7 +217,7 @@ def _cmd_video(ns) -> int:
     def run() -> dict:
         try:
             return generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
-                                  steps=ns.steps, extra=json.loads(ns.extra) if ns.extra else None,
+                                  steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
                                   api_key=ns.api_key, on_progress=show)
         finally:
             for bar in bars:
@@ -248,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
+                   help="a registered LoRA adapter to apply (repeatable), e.g. --lora magenta:0.8")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 
@@ -260,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
+    p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
+                   help="a registered LoRA adapter to apply (repeatable)")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_video)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -11,14 +12,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import parse_size
+from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
+
+# Where the embedded tiny-flux adapters live (pipeline.tiny.lora; a path of null names one).
+EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoraSettings(_Strict):
+    """One registered LoRA adapter: ``path`` to a local LoRA file or directory in a format
+    diffusers' ``load_lora_weights`` reads (diffusers/PEFT safetensors, kohya or xlabs FLUX),
+    or null for the embedded tiny-flux adapter of the same name (``magenta``, ``outline``);
+    ``default_scale``: its scale when a request gives none."""
+
+    path: str | None = None
+    default_scale: float = Field(default=1.0, allow_inf_nan=False)
+
+
 class ModelConfig(_Strict):
-    """Which checkpoint to serve. ``path: null`` with ``name: tiny-flux`` is the embedded model."""
+    """Which checkpoint to serve. ``path: null`` with ``name: tiny-flux`` is the embedded model.
+
+    ``loras``: the LoRA adapters requests may name (name -> ``LoraSettings``); checked against
+    the model when a replica starts or the registry changes (Serve ``user_config`` of
+    DiTReplica and Ingress: ``{"loras": {...}}``). ``max_loaded_loras``: adapters each replica
+    keeps loaded (LRU). ``lora_max_rank``: with ``torch_compile``, the rank every hot-swap slot
+    is padded to (the highest rank an adapter may have).
+    """
 
     name: str = "tiny-flux"
     path: str | None = None
@@ -31,6 +53,42 @@ class ModelConfig(_Strict):
     # Decode one sample at a time (diffusers' VAE slicing): decode memory bounded by one
     # sample, for large n x size (configs/flux-dev-4gpu.yaml); same pixels.
     vae_slicing: bool = False
+    loras: dict[str, LoraSettings] = Field(default_factory=dict)
+    max_loaded_loras: int = Field(default=4, ge=1, le=64)
+    lora_max_rank: int = Field(default=64, ge=1, le=1024)
+
+    @field_validator("loras")
+    @classmethod
+    def _loras(cls, v: dict[str, LoraSettings]) -> dict[str, LoraSettings]:
+        return check_lora_registry(v)
+
+    def lora_registry(self) -> dict[str, LoraEntry]:
+        """Adapter name -> ``LoraEntry`` (paths resolved; what requests are resolved against)."""
+        return lora_registry(self.loras)
+
+
+def check_lora_registry(loras: dict[str, LoraSettings]) -> dict[str, LoraSettings]:
+    """Names usable in requests, finite default scales in range, a path (or an embedded
+    adapter). Raises ``ValueError`` naming ``model.loras.<name>``."""
+    problems = []
+    for name, settings in loras.items():
+        problem = name_problem(f"model.loras key {name!r}", name) or scale_problem(
+            f"model.loras.{name}.default_scale", settings.default_scale)
+        if problem:
+            problems.append(problem)
+        elif settings.path is None and not (EMBEDDED_LORA_DIR / name).is_dir():
+            embedded = sorted(p.name for p in EMBEDDED_LORA_DIR.iterdir()) if EMBEDDED_LORA_DIR.is_dir() else []
+            problems.append(f"model.loras.{name}.path is required (embedded adapters: {', '.join(embedded) or 'none'})")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return loras
+
+
+def lora_registry(loras: dict) -> dict[str, LoraEntry]:
+    """``model.loras`` (settings or plain dicts) as name -> ``LoraEntry`` with resolved paths."""
+    settings = {name: LoraSettings.model_validate(v) if isinstance(v, dict) else v for name, v in loras.items()}
+    return {name: LoraEntry(s.path if s.path is not None else str(EMBEDDED_LORA_DIR / name), s.default_scale)
+            for name, s in settings.items()}
 
 
 class LimitsConfig(_Strict):
@@ -56,6 +114,7 @@ class LimitsConfig(_Strict):
     max_timeout_s: float = Field(default=3600.0, gt=0, le=7 * 24 * 3600)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_json_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_loras: int = Field(default=4, ge=1, le=16)  # LoRA adapters one request may name
     # The priority of a request that gives none, per route (deployments.scheduling).
     default_image_priority: Literal["interactive", "batch"] = "interactive"
     default_video_priority: Literal["interactive", "batch"] = "interactive"

@@ -7,17 +7,20 @@ imports no torch (``tests/test_architecture.py``).
 
 import asyncio
 import base64
+import dataclasses
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from ray import serve
 
+from deployments.config import lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
+from pipeline.contract.lora import adapter_model_id
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
 from pipeline.errors import InvalidRequestError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, resolve, resolve_video
@@ -41,6 +44,7 @@ class Ingress:
         self._config = config
         self._limits: ServingLimits | None = None
         self._defaults = AccelerationDefaults()
+        self._loras = lora_registry(config["model"].get("loras") or {})
         limits = config["limits"]
         self._max_json_bytes = min(limits["max_json_body_bytes"], limits["max_body_bytes"])
         self._max_body_bytes = limits["max_body_bytes"]
@@ -71,9 +75,18 @@ class Ingress:
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease())
         self._trimmer.busy()
 
-    def reconfigure(self, acceleration: dict) -> None:
-        """Serve's ``user_config`` hook: new acceleration defaults apply to the next request."""
-        self._defaults = AccelerationDefaults.from_config(acceleration)
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's ``user_config`` hook: ``{"acceleration": {...}, "loras": {...}}`` (the
+        acceleration request defaults and the LoRA adapter registry, ``model.loras``) apply to the
+        next request. A dict of acceleration fields alone is accepted too (the older form)."""
+        if "acceleration" not in user_config and "loras" not in user_config:
+            user_config = {"acceleration": user_config}
+        if "acceleration" in user_config:
+            self._defaults = AccelerationDefaults.from_config(user_config["acceleration"] or {})
+        if "loras" in user_config:
+            self._loras = lora_registry(user_config["loras"] or {})
+            if self._limits is not None:
+                self._limits = dataclasses.replace(self._limits, loras=self._loras)
 
     async def _serving_limits(self) -> ServingLimits:
         if self._limits is None:
@@ -82,7 +95,7 @@ class Ingress:
             except Exception as exc:
                 raise ServiceUnavailableError(f"no replica is ready yet ({type(exc).__name__})",
                                               code="not_ready") from None
-            self._limits = facts.limits(self._config["model"]["name"], self._config["limits"])
+            self._limits = facts.limits(self._config["model"]["name"], self._config["limits"], self._loras)
         return self._limits
 
     # -- handle API ---------------------------------------------------------------------
@@ -140,9 +153,14 @@ class Ingress:
             raise as_ditserve_error(exc) from None
 
     async def models(self) -> dict:
-        """OpenAI's model list: the one model this application serves."""
-        return {"object": "list", "data": [
-            {"id": self._config["model"]["name"], "object": "model", "created": 0, "owned_by": "ditserve"}]}
+        """OpenAI's model list: the model this application serves, then one entry per
+        registered LoRA adapter (id ``"<base>:<adapter>"``, ``parent`` the base model); a
+        request may name either as ``model``."""
+        base = self._config["model"]["name"]
+        adapters = [{"id": adapter_model_id(base, name), "object": "model", "created": 0, "owned_by": "ditserve",
+                     "parent": base, "root": base} for name in sorted(self._loras)]
+        return {"object": "list", "data": [{"id": base, "object": "model", "created": 0, "owned_by": "ditserve"},
+                                           *adapters]}
 
     async def stats(self) -> dict:
         return {"router": await self._router.stats.remote()}

@@ -50,12 +50,15 @@ def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -
 def make_runner(model: dict, acceleration: dict, rank: int = 0):
     """This process's ``pipeline.runner.BatchRunner``, on this rank's device (see
     :func:`rank_device`); ranks other than 0 load the transformers alone (rank 0 encodes the
-    prompts for every rank and decodes alone)."""
+    prompts for every rank and decodes alone). ``model``: ``ModelConfig`` as a dict, plus
+    ``max_loras`` (the hot-swap slots under torch.compile)."""
+    from deployments.config import lora_registry
     from pipeline.runner import BatchRunner
 
     model = dict(model)
     model["device"] = rank_device(model.get("device", "cpu"), ray.get_gpu_ids() if ray.is_initialized() else [],
                                   not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
+    model["loras"] = {name: entry.path for name, entry in lora_registry(model.get("loras") or {}).items()}
     return BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
                        torch_compile=acceleration.get("torch_compile", False),
                        compile_backend=acceleration.get("compile_backend", "inductor"),

@@ -8,6 +8,7 @@ import os
 import threading
 
 from ray import serve
+from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
 from deployments.faults import batch_fault
@@ -70,6 +71,8 @@ class DiTReplica:
         os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
         acceleration = acceleration or {}
+        model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
+        self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._parallel = ParallelConfig(ulysses_degree=(parallel or {}).get("ulysses_degree", 1),
                                         ring_degree=(parallel or {}).get("ring_degree", 1))
@@ -92,10 +95,28 @@ class DiTReplica:
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
             warmup = Batch("warmup", BatchSignature.of(head), (head,))
             self._runner.run(warmup) if self._ranks is None else self._ranks.run_sync(warmup)
+        self._lora_metrics = {key: Counter(f"ditserve_{key}", f"LoRA adapter {key.removeprefix('lora_')} on this "
+                                                               "replica (rank 0)")
+                              for key in self._runner.lora.counters}
+        self._lora_reported = dict(self._runner.lora.counters)
         self._lock = asyncio.Lock()
         self._state: str | None = None  # digest of the last batch's signature
         self._batches = 0
         self._state_changes = 0
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's ``user_config`` hook: ``{"loras": {...}}``, the adapter registry
+        (``model.loras``). Adapters new to this replica are checked against the model now, so a
+        bad one fails the config update, not a request. Raises ``ValueError`` naming it."""
+        from deployments.config import LoraSettings, check_lora_registry, lora_registry
+
+        loras = (user_config or {}).get("loras") or {}
+        check_lora_registry({name: LoraSettings.model_validate(v) for name, v in loras.items()})
+        known = lora_registry(self._loras)
+        for name, entry in lora_registry(loras).items():
+            if name not in known or known[name].path != entry.path:
+                self._runner.lora.check(name, entry.path)
+        self._loras = dict(loras)
 
     def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)
@@ -114,6 +135,13 @@ class DiTReplica:
         return await router_queue_stats(serve.get_replica_context().app_name)
 
     def record_routing_stats(self) -> dict:
+        """What the request router sees of this replica (every ``routing_stats_period_s``): its
+        state (signature, adapters loaded and active, kernel, Cache-DiT key) and counters. Also
+        exports the LoRA loads, evictions and hits since the last call to Prometheus."""
+        for key, value in self._runner.lora.counters.items():
+            if value > self._lora_reported[key]:
+                self._lora_metrics[key].inc(value - self._lora_reported[key])
+                self._lora_reported[key] = value
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
                 **self._runner.state_report(), **self._runner.counters()}

@@ -41,6 +41,7 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs):
         self._routed_state: dict[ReplicaID, str] = {}
+        self._routed_loras: dict[ReplicaID, frozenset[str]] = {}  # adapters of the last batch routed there
         self._inflight: dict[str, ReplicaID] = {}  # batch id -> the replica running it
         self._requests: dict[str, str] = {}  # Serve's internal request id -> batch id
         self._batch_replica: dict[str, ReplicaID] = {}  # batch id -> where it was routed (the newest)
@@ -56,13 +57,19 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
             return self._routed_state[replica.replica_id]
         return (replica.routing_stats or {}).get("signature")
 
+    def loaded_loras_of(self, replica: RunningReplica) -> frozenset[str]:
+        """The LoRA adapters a replica holds: its last routing stats, plus the adapters of the
+        last batch routed to it since (the stats come once per period)."""
+        reported = frozenset((replica.routing_stats or {}).get("loras_loaded") or ())
+        return reported | self._routed_loras.get(replica.replica_id, frozenset())
+
     def replica_views(self) -> list[ReplicaView]:
         """The replicas the Router may send batches to; a broken one is never free."""
         busy = set(self._inflight.values())
         live = {r.replica_id.unique_id for r in self.curr_replicas.values()}
         self._excluded &= live  # a replaced replica leaves the set, and its exclusion with it
         return [ReplicaView(r.replica_id.unique_id, self.last_signature_of(r),
-                            r.replica_id in busy or self._is_broken(r))
+                            r.replica_id in busy or self._is_broken(r), self.loaded_loras_of(r))
                 for r in self.curr_replicas.values()]
 
     def exclude_replica_of(self, batch_id: str) -> str | None:
@@ -92,12 +99,15 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == batch.preferred_replica]
         matching = [r for r in candidate_replicas if self.last_signature_of(r) == signature and r not in preferred]
         others = [r for r in candidate_replicas if self.last_signature_of(r) != signature and r not in preferred]
+        adapters = {spec.name for spec in batch.requests[0].lora}
+        others.sort(key=lambda r: -len(adapters & self.loaded_loras_of(r)))  # adapter affinity
         return [ranked for ranked in (preferred, matching, others) if ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         batch = _batch_of(pending_request)
         if batch is not None:
             self._routed_state[replica_id] = batch.signature.digest
+            self._routed_loras[replica_id] = frozenset(spec.name for spec in batch.requests[0].lora)
             self._inflight[batch.batch_id] = replica_id
             self._requests[pending_request.metadata.internal_request_id] = batch.batch_id
             self._batch_replica[batch.batch_id] = replica_id
@@ -120,5 +130,6 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self._routed_state.pop(replica_id, None)
+        self._routed_loras.pop(replica_id, None)
         for key in [k for k, v in self._inflight.items() if v == replica_id]:
             del self._inflight[key]

@@ -279,7 +279,8 @@ class Router:
             if q:
                 urgent = [now - p.enqueued for p in q if self._urgent(p, now)]
                 views.append(QueueView(sig.digest, max(now - p.enqueued for p in q), sum(p.params.n for p in q),
-                                       sum(p.cost for p in q), max(urgent) if urgent else None))
+                                       sum(p.cost for p in q), max(urgent) if urgent else None,
+                                       frozenset(spec.name for spec in q[0].params.lora)))
         return views
 
     def _cut(self, digest: str) -> list[_Pending]:
@@ -313,8 +314,8 @@ class Router:
                 replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(self._capacity)]
             else:  # a batch counts against its replica from dispatch on, before Serve routes it
                 claimed = set(self._claims.values())
-                replicas = [ReplicaView(r.replica_id, r.last_signature, r.busy or r.replica_id in claimed)
-                            for r in replicas]
+                replicas = [ReplicaView(r.replica_id, r.last_signature, r.busy or r.replica_id in claimed,
+                                        r.loaded_loras) for r in replicas]
             decision = choose_queue(
                 queues, replicas, max_batch_size=self._max_batch_size, max_wait_s=self._max_wait_s,
                 max_affinity_wait_s=self._max_affinity_wait_s, max_batch_cost=self._max_batch_cost,

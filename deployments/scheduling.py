@@ -21,6 +21,9 @@ Policy (late binding; a batch is formed only when a replica can take it):
    - ``miss``: no replica (free or busy) holds that signature, so a free one must switch;
      only a *spare* replica switches (no queued request wants its current state), and
      it switches for the unheld queue with the most images.
+   Whenever a replica must switch (``miss``, ``starvation``), the one that already has the
+   most of the queue's LoRA adapters loaded is chosen (adapter affinity: an adapter active
+   is a ``hit``, loaded is a cheap switch, neither means a load from disk).
    A ready queue whose signature is held only by busy replicas waits for one of them
    (at most ``max_affinity_wait_ms``), so state changes happen only when they must.
    Queues of batch work are considered only when no urgent queue can go, and a free
@@ -55,6 +58,7 @@ class QueueView:
     images: int         # sum of n over the queue
     cost: float         # sum of pixels x frames x n over the queue
     urgent_age_s: float | None = None  # how long its oldest urgent request has waited (None: none)
+    loras: frozenset[str] = frozenset()  # names of the LoRA adapters its signature applies
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class ReplicaView:
     replica_id: str
     last_signature: str | None  # digest of the signature it last ran: its acceleration state (None: fresh)
     busy: bool
+    loaded_loras: frozenset[str] = frozenset()  # LoRA adapters it holds loaded (its LRU)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,13 @@ def serving_order(q: QueueView) -> tuple:
     the oldest head."""
     urgent = q.urgent_age_s is not None
     return (not urgent, -(q.urgent_age_s if urgent else 0.0), -q.head_age_s)
+
+
+def by_adapters(replicas: list[ReplicaView], q: QueueView) -> list[ReplicaView]:
+    """``replicas`` with those holding more of ``q``'s LoRA adapters loaded first (stable)."""
+    if not q.loras:
+        return replicas
+    return sorted(replicas, key=lambda r: -len(q.loras & r.loaded_loras))
 
 
 def is_ready(q: QueueView, *, max_batch_size: int, max_wait_s: float, max_batch_cost: float | None,
@@ -131,13 +143,13 @@ def _affinity_choice(ready: list[QueueView], free: list[ReplicaView], spare: lis
         if match is not None:
             return Decision(q.signature, RoutingDecision.HIT, match.replica_id)
         if q.head_age_s >= max_affinity_wait_s:
-            target = (spare or free)[0].replica_id
+            target = by_adapters(spare or free, q)[0].replica_id
             reason = RoutingDecision.STARVATION if q.signature in held else RoutingDecision.MISS
             return Decision(q.signature, reason, target)
     unheld = [q for q in ready if q.signature not in held]
     if spare and unheld:  # switch once, for the queue that fills the biggest batch
         q = max(unheld, key=lambda q: (q.images, q.head_age_s))
-        return Decision(q.signature, RoutingDecision.MISS, spare[0].replica_id)
+        return Decision(q.signature, RoutingDecision.MISS, by_adapters(spare, q)[0].replica_id)
     return None
 
 
