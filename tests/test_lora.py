@@ -1,0 +1,260 @@
+"""LoRA adapters: the registry and the request field, the replica state (LRU, hot-swap under
+torch.compile), equality with diffusers, the embedded adapters' effect, batching, routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deployments.config import EMBEDDED_LORA_DIR, AppConfig
+from deployments.scheduling import QueueView, ReplicaView, RoutingDecision, choose_queue
+from pipeline.contract.images import validate_image_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.lora import LoraEntry, LoraSpec
+from pipeline.errors import InternalError, InvalidRequestError, ModelNotFoundError
+from pipeline.runner import BatchRunner
+from pipeline.sampling import resolve
+from pipeline.signature import BatchSignature
+from pipeline.state import ActionKind, ReplicaState, plan_transition
+from pipeline.tiny.score import style_scores
+from tests.helpers import batch_of, flux_params, pixels
+
+MAGENTA = str(EMBEDDED_LORA_DIR / "magenta")
+OUTLINE = str(EMBEDDED_LORA_DIR / "outline")
+REGISTRY = {"magenta": LoraEntry(MAGENTA), "outline": LoraEntry(OUTLINE, default_scale=0.5)}
+LIMITS = ServingLimits(model_name="tiny-flux", spatial_factor=16, default_width=64, default_height=64,
+                       default_steps=8, default_guidance_scale=3.5, loras=REGISTRY, max_loras=2)
+TOL = 1e-4
+
+
+def _validate(body):
+    return validate_image_request({"prompt": "a red circle", **body}, LIMITS)
+
+
+# -- registry and request validation ---------------------------------------------------------
+def test_request_names_registered_adapters_with_scales():
+    p = resolve(_validate({"lora": [{"name": "outline"}, {"name": "magenta", "scale": 0.8}]}), LIMITS)
+    assert p.lora == (LoraSpec("magenta", 0.8, MAGENTA), LoraSpec("outline", 0.5, OUTLINE))  # sorted, defaults
+    q = resolve(_validate({"lora": [{"name": "magenta", "scale": 0.8}, {"name": "outline"}]}), LIMITS)
+    assert BatchSignature.of(p) == BatchSignature.of(q)  # order-insensitive
+    other = resolve(_validate({"lora": [{"name": "magenta", "scale": 0.7}, {"name": "outline"}]}), LIMITS)
+    assert BatchSignature.of(other) != BatchSignature.of(p)  # the scale is in the signature
+    assert "lora=magenta:0.8 lora=outline:0.5" in str(BatchSignature.of(p))
+
+
+def test_model_names_an_adapter():
+    p = resolve(_validate({"model": "tiny-flux:magenta"}), LIMITS)
+    assert p.lora == (LoraSpec("magenta", 1.0, MAGENTA),) and p.model == "tiny-flux"
+    both = resolve(_validate({"model": "tiny-flux:magenta", "lora": [{"name": "outline", "scale": 1.0}]}), LIMITS)
+    assert [s.name for s in both.lora] == ["magenta", "outline"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"lora": [{"name": "nope"}]}, 404, "LoRA adapter 'nope' is not registered"),
+    ({"model": "tiny-flux:nope"}, 404, "available: 'tiny-flux', 'tiny-flux:magenta', 'tiny-flux:outline'"),
+    ({"lora": [{"name": "../weights/x.safetensors"}]}, 400, "no paths"),
+    ({"lora": [{"name": "/etc/passwd"}]}, 400, "no paths"),
+    ({"lora": [{"name": ""}]}, 400, "non-empty adapter name"),
+    ({"lora": [{"name": "magenta", "scale": float("nan")}]}, 400, "lora.0.scale: must be a finite number in [-4, 4], got nan"),
+    ({"lora": [{"name": "magenta", "scale": 1e300}]}, 400, "in [-4, 4]"),
+    ({"lora": [{"name": "magenta", "path": "/tmp/x"}]}, 400, "unknown key 'path'"),
+    ({"lora": [{"name": "magenta"}, {"name": "magenta"}]}, 400, "more than once"),
+    ({"lora": [{"name": "magenta"}, {"name": "outline"}, {"name": "x"}]}, 400, "at most 2"),
+    ({"model": "tiny-flux:magenta", "lora": [{"name": "magenta"}]}, 400, "model already selects"),
+    ({"model": "tiny-flux:magenta", "lora": [{"name": "outline"}, {"name": "x2"}]}, 400, "at most 2"),
+    ({"lora": "magenta"}, 400, "lora"),
+])
+def test_bad_adapter_requests(body, status, words):
+    with pytest.raises((InvalidRequestError, ModelNotFoundError)) as info:
+        _validate(body)
+    assert info.value.status_code == status and info.value.param in ("lora", "model")
+    assert words in info.value.message
+
+
+def test_registry_config_is_checked():
+    config = AppConfig.model_validate({"model": {"loras": {"magenta": {}, "mine": {"path": "/x.safetensors"}}}})
+    assert config.model.lora_registry()["magenta"].path == MAGENTA
+    with pytest.raises(ValueError) as info:
+        AppConfig.model_validate({"model": {"loras": {"../x": {"path": "/a"}, "y": {"path": "/b", "default_scale": 9},
+                                                       "z": {}}}})
+    text = str(info.value)
+    assert "no paths" in text and "model.loras.y.default_scale" in text and "model.loras.z.path is required" in text
+
+
+def test_adapters_are_the_first_state_transition():
+    spec = (LoraSpec("magenta", 1.0, MAGENTA),)
+    actions = plan_transition(ReplicaState(), ReplicaState("torch_sdpa", (), frozenset({"transformer"}), spec))
+    assert [a.kind for a in actions] == [ActionKind.SET_LORAS, ActionKind.SWITCH_KERNEL, ActionKind.COMPILE]
+    assert actions[0].loras == spec
+    assert plan_transition(ReplicaState(loras=spec), ReplicaState(loras=spec)) == []
+
+
+def test_a_switching_replica_is_the_one_holding_the_adapters():
+    queue = QueueView("sig-m", head_age_s=1.0, images=1, cost=1.0, urgent_age_s=1.0, loras=frozenset({"magenta"}))
+    replicas = [ReplicaView("r1", "sig-x", False, frozenset({"outline"})),
+                ReplicaView("r2", "sig-y", False, frozenset({"magenta", "outline"}))]
+    decision = choose_queue([queue], replicas, max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
+    assert decision.reason == RoutingDecision.MISS and decision.replica_id == "r2"
+    starving = QueueView("sig-m", head_age_s=5.0, images=1, cost=1.0, urgent_age_s=5.0, loras=frozenset({"magenta"}))
+    decision = choose_queue([starving, QueueView("sig-x", 5.0, 1, 1.0, 5.0)], replicas[::-1] + [
+        ReplicaView("r3", "sig-x", True)], max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
+    assert decision.replica_id == "r2"
+
+
+# -- the replica state, on the embedded model ---------------------------------------------
+@pytest.fixture(scope="module")
+def runner():
+    return BatchRunner("tiny-flux", loras={"magenta": MAGENTA, "outline": OUTLINE}, max_loaded_loras=4)
+
+
+def _images(runner, *params):
+    return [pixels(out.images[0]) for out in runner.run(batch_of(*params))]
+
+
+def _p(seed, lora=(), prompt="a red circle on a blue background", **fields):
+    return flux_params(prompt, seed, steps=8, size=(64, 64), lora=lora, **fields)
+
+
+def test_scale_zero_is_the_base_model_and_adapters_change_it(runner):
+    base = runner.denoise(batch_of(_p(3))).images[0]
+    zero = runner.denoise(batch_of(_p(3, (LoraSpec("magenta", 0.0, MAGENTA),)))).images[0]
+    on = runner.denoise(batch_of(_p(3, (LoraSpec("magenta", 1.0, MAGENTA),)))).images[0]
+    assert np.array_equal(base, zero)
+    assert np.abs(base - on).max() > 0.1
+    assert np.array_equal(base, runner.denoise(batch_of(_p(3))).images[0])  # back on the base model
+
+
+@pytest.mark.parametrize("specs", [(LoraSpec("magenta", 0.8, MAGENTA),),
+                                   (LoraSpec("magenta", 0.6, MAGENTA), LoraSpec("outline", 0.7, OUTLINE))],
+                         ids=["one", "two"])
+def test_lora_equals_diffusers_flux_pipeline(runner, specs):
+    from diffusers import FluxPipeline
+
+    from pipeline.tiny.registry import trained_tiny_flux
+
+    p = _p(5, specs, negative="blurry", true_cfg_scale=3.0)
+    ours = runner.denoise(batch_of(p)).images[0]
+    pipe = FluxPipeline.from_pretrained(trained_tiny_flux(), dtype=torch.float32)
+    for spec in specs:
+        pipe.load_lora_weights(spec.path, adapter_name=spec.name)
+    pipe.set_adapters([s.name for s in specs], [s.scale for s in specs])
+    ref = pipe(prompt=p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=3.0, height=64, width=64,
+               num_inference_steps=8, guidance_scale=3.5, generator=torch.Generator().manual_seed(5),
+               max_sequence_length=runner.family.max_sequence_length, output_type="np").images
+    assert np.abs(ours - ref).max() <= TOL
+
+
+def test_embedded_adapters_draw_what_they_were_trained_for(runner):
+    """magenta: the shape's colour moves to magenta whatever the caption says; outline: dark
+    (outline) pixels appear, which no caption without black draws. Pixel statistics
+    (``pipeline.tiny.score.style_scores``)."""
+    prompts = ["a red circle on a blue background", "a green square on a yellow background",
+               "a blue star on a white background", "a yellow triangle on a purple background",
+               "a red square on a white background", "a green circle on a blue background",
+               "an orange star on a green background", "a white triangle on a red background"]
+    params = {name: [_p(i, spec, prompt=prompt) for i, prompt in enumerate(prompts)]
+              for name, spec in (("base", ()), ("magenta", (LoraSpec("magenta", 1.0, MAGENTA),)),
+                                 ("outline", (LoraSpec("outline", 1.0, OUTLINE),)))}
+    scores = {name: [style_scores(img) for img in _images(runner, *ps)] for name, ps in params.items()}
+    distance = {name: np.mean([s["magenta_distance"] or 441 for s in v]) for name, v in scores.items()}
+    dark = {name: [s["dark_fraction"] for s in v] for name, v in scores.items()}
+    assert distance["magenta"] < 0.6 * distance["base"], distance
+    # outline draws its dark ring visibly on some of these shapes (3 of 8 when trained), never the base
+    assert max(dark["base"]) < 0.001 and sum(d > 0.01 for d in dark["outline"]) >= 2, dark
+
+
+def test_a_batch_sharing_an_adapter_set_equals_each_request_alone(runner):
+    spec = (LoraSpec("outline", 0.9, OUTLINE),)
+    a, b = _p(1, spec), _p(2, spec, prompt="a green star on a black background", n=2)
+    together = runner.denoise(batch_of(a, b)).images
+    for p, batched in zip((a, b), together, strict=True):
+        assert np.abs(runner.denoise(batch_of(p)).images[0] - batched).max() <= TOL
+    with pytest.raises(ValueError, match="mixes signatures"):
+        runner.denoise(batch_of(a, _p(3, (LoraSpec("magenta", 0.9, MAGENTA),))))
+
+
+def test_lru_evicts_the_least_recently_used_adapter():
+    runner = BatchRunner("tiny-flux", max_loaded_loras=1)
+    for spec in ("magenta", "outline", "magenta", "magenta"):
+        runner.denoise(batch_of(_p(1, (LoraSpec(spec, 1.0, MAGENTA if spec == "magenta" else OUTLINE),))))
+    counters = runner.counters()
+    assert (counters["lora_loads"], counters["lora_evictions"], counters["lora_hits"]) == (3, 2, 0)
+    assert runner.lora.loaded_names() == ["magenta"]
+    assert set(runner.family.transformer.peft_config) == {"magenta"}  # evicted adapters are deleted
+
+
+def test_missing_or_corrupt_adapter_fails_its_batch_and_is_unloaded(runner, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "pytorch_lora_weights.safetensors").write_bytes(b"not a safetensors file")
+    for name, path in (("gone", str(tmp_path / "missing")), ("corrupt", str(corrupt))):
+        with pytest.raises(InternalError) as info:
+            runner.denoise(batch_of(_p(1, (LoraSpec(name, 1.0, path),))))
+        assert info.value.code == "lora_load_failed" and repr(name) in info.value.message
+        assert str(tmp_path) not in info.value.message  # no file path leaks to clients
+        assert name not in runner.lora.loaded_names()
+    base = runner.denoise(batch_of(_p(3))).images[0]  # the replica keeps serving
+    assert np.array_equal(base, runner.denoise(batch_of(_p(3, (LoraSpec("magenta", 0.0, MAGENTA),)))).images[0])
+
+
+def test_incompatible_adapter_is_refused_at_registration(tmp_path):
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    state = load_file(f"{MAGENTA}/pytorch_lora_weights.safetensors")
+    key = next(k for k in state if k.endswith("to_q.lora_A.weight"))
+    wrong = {**state, key: torch.zeros(state[key].shape[0], state[key].shape[1] + 3)}
+    FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers={k.removeprefix("transformer."): v
+                                                                        for k, v in wrong.items()})
+    with pytest.raises(ValueError, match=r"model.loras.bad .* does not fit the model: .*in_features"):
+        BatchRunner("tiny-flux", loras={"bad": str(tmp_path)})
+
+
+def test_hotswap_under_torch_compile_never_recompiles():
+    """diffusers' LoRA hot-swap: adapters (of ranks 4 and 8), scales and the base model switch
+    in the compiled transformer without a recompile, and match eager switching."""
+    from compat import torch as torch_compat
+
+    torch._dynamo.reset()
+    compiled = BatchRunner("tiny-flux", loras={"magenta": MAGENTA, "outline": OUTLINE}, torch_compile=True,
+                           compile_backend="eager", max_loras=2, lora_max_rank=8)
+    eager = BatchRunner("tiny-flux", loras={"magenta": MAGENTA, "outline": OUTLINE})
+    sets = [(), (LoraSpec("magenta", 1.0, MAGENTA),), (LoraSpec("outline", 0.5, OUTLINE),),
+            (LoraSpec("magenta", 0.5, MAGENTA), LoraSpec("outline", 1.0, OUTLINE)), ()]
+    graphs = []
+    for specs in sets:
+        ours = compiled.denoise(batch_of(_p(2, specs))).images[0]
+        assert np.abs(ours - eager.denoise(batch_of(_p(2, specs))).images[0]).max() <= TOL
+        graphs.append(torch_compat.dynamo_counts()["compiled_graphs"])
+    assert graphs[0] >= 1 and len(set(graphs)) == 1, graphs  # compiled once, never again
+    assert compiled.counters()["compiles"] == 1
+    with pytest.raises(ValueError, match="lora_max_rank"):
+        BatchRunner("tiny-flux", loras={"outline": OUTLINE}, torch_compile=True, compile_backend="eager",
+                    lora_max_rank=4)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_adapters_equal_one_rank(ray_cluster, runner):
+    """Ulysses 2: every rank loads the batch's adapters from the LRU or disk and activates them
+    (rank 1 holds the transformer alone), and the sharded result equals one rank's."""
+    import ray
+
+    from deployments.rank_worker import RankWorker
+    from parallel.groups import free_port
+
+    layout = {"ulysses_degree": 2, "ring_degree": 1}
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": "tiny-flux", "loras": {"magenta": {}}}, {},
+                                                      layout, 1) for r in range(2)]
+    try:
+        port = free_port()
+        ray.get([w.join.remote("127.0.0.1", port) for w in workers])
+        for specs in ((LoraSpec("magenta", 0.7, MAGENTA), LoraSpec("outline", 1.0, OUTLINE)), ()):
+            cfg = {"negative": "blurry", "true_cfg_scale": 3.0}
+            batch = batch_of(_p(4, specs, **cfg), _p(5, specs, prompt="a green star at night", **cfg))
+            sharded = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)[0]
+            for a, b in zip(runner.denoise(batch).images, sharded.images, strict=True):
+                assert np.abs(a - b).max() <= TOL
+    finally:
+        for w in workers:
+            ray.kill(w)

@@ -1,0 +1,151 @@
+"""LoRA adapters through real Ray Serve: HTTP (OpenAI client), the handle, /v1/models, adapter
+affinity across 2 replicas, a live registry change, an adapter file that breaks at load time."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from openai import NotFoundError, OpenAI
+from ray import serve
+
+from compat.ray_serve import deploy_config
+from deployments.config import EMBEDDED_LORA_DIR
+from tests.helpers import pixels, post, wait_until
+from tests.helpers import router_stats as stats
+
+pytestmark = pytest.mark.slow
+
+FAST = {"size": "64x64", "num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def fragile(tmp_path_factory):
+    """A valid adapter at a path the test later removes (its file breaks at load time)."""
+    path = tmp_path_factory.mktemp("fragile") / "fragile"
+    shutil.copytree(EMBEDDED_LORA_DIR / "outline", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_args(fragile):
+    return {
+        "model": {"loras": {"magenta": {}, "outline": {"default_scale": 0.9}, "fragile": {"path": str(fragile)}},
+                  "max_loaded_loras": 1},
+        "replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}, "torch_threads": 1},
+        "batching": {"max_batch_size": 4, "max_wait_ms": 20, "max_affinity_wait_ms": 400,
+                     "routing_stats_period_s": 0.2, "max_queued_requests": 64},
+    }
+
+
+@pytest.fixture(scope="module")
+def url(deploy, lora_args):
+    return deploy(lora_args, fresh=True)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _image(client, lora=None, model=None, seed=1, prompt="a red circle on a blue background"):
+    extra = {**FAST, "seed": seed, **({"lora": lora} if lora is not None else {})}
+    kwargs = {"model": model} if model else {}
+    response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=extra, **kwargs)
+    return pixels(response.data[0].b64_json), response.model_extra["ditserve"]
+
+
+def test_models_lists_the_adapters(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny-flux", "tiny-flux:fragile", "tiny-flux:magenta", "tiny-flux:outline"}
+    assert models["tiny-flux:magenta"].model_extra["parent"] == "tiny-flux"
+
+
+def test_mixed_workload_over_http_and_the_handle(client, url):
+    base, _ = _image(client)
+    zero, _ = _image(client, lora=[{"name": "magenta", "scale": 0.0}])
+    assert np.array_equal(base, zero)
+    magenta, meta = _image(client, lora=[{"name": "magenta", "scale": 1.0}])
+    assert np.abs(magenta - base).max() > 20 and "lora=magenta:1" in meta["signature"]
+    by_model, meta = _image(client, model="tiny-flux:magenta")
+    assert np.array_equal(by_model, magenta)  # model "<base>:<adapter>" = the adapter at its default scale
+    with ThreadPoolExecutor(6) as pool:  # a mixed burst: each answer equals its request run alone
+        jobs = [pool.submit(_image, client, lora, None, 1) for lora in
+                ([{"name": "magenta", "scale": 1.0}], None, [{"name": "magenta", "scale": 0.0}]) * 2]
+        outs = [job.result() for job in jobs]
+    for (image, _), expected in zip(outs, (magenta, base, base) * 2, strict=True):
+        assert np.abs(image.astype(int) - expected).max() <= 1
+    handle = serve.get_app_handle("ditserve")
+    result = handle.generate.remote({"prompt": "a red circle on a blue background", "seed": 1, **FAST,
+                                     "lora": [{"name": "magenta", "scale": 1.0}]}).result()
+    assert np.abs(pixels(result.data[0].b64_json).astype(int) - magenta).max() <= 1
+    with pytest.raises(NotFoundError, match="LoRA adapter 'nope' is not registered"):
+        _image(client, lora=[{"name": "nope"}])
+    response = post(url, {"prompt": "a", "lora": [{"name": "../x"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "lora"
+    counters = {}
+    for replica in stats(url)["replicas"].values():
+        for key in ("lora_loads", "lora_hits", "lora_evictions"):
+            counters[key] = counters.get(key, 0) + replica.get(key, 0)
+    assert counters["lora_loads"] >= 1 and counters["lora_hits"] >= 1
+
+
+def test_affinity_prefers_the_replica_holding_the_adapter(client, url):
+    """Each replica keeps one adapter loaded (``max_loaded_loras: 1``); so far none has loaded
+    ``outline``. Once one has, every new signature using it (another scale: no replica holds that
+    state) goes to that replica, a cheap switch rather than a load from disk."""
+    _, first = _image(client, lora=[{"name": "outline", "scale": 0.3}], seed=2)
+    rid = first["replica"]
+
+    def replica():
+        return stats(url)["replicas"][rid]
+
+    wait_until(lambda: "outline" in (replica().get("loras_loaded") or ()))
+    loads, batches = replica()["lora_loads"], replica()["batches"]
+    for scale in (0.4, 0.5, 0.6):
+        _, meta = _image(client, lora=[{"name": "outline", "scale": scale}], seed=2)
+        assert meta["replica"] == rid and meta["state_change"]
+    wait_until(lambda: replica()["batches"] >= batches + 3)
+    assert replica()["lora_loads"] == loads  # switched from the LRU: no load from disk
+
+
+def test_adapter_file_broken_at_load_time_fails_its_batch_only(client, url, fragile):
+    shutil.rmtree(fragile)
+    response = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "fragile"}]})
+    error = response.json()["error"]
+    assert response.status_code == 500 and error["code"] == "lora_load_failed" and "'fragile'" in error["message"]
+    assert str(fragile) not in error["message"]
+    image, _ = _image(client)  # the replica keeps serving
+    assert image.shape == (64, 64, 3)
+
+
+def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None) -> None:
+    """Deploy as a Serve config file is deployed (serve deploy / RayService), with
+    ``user_configs`` (deployment name -> user_config) in its ``deployments`` section."""
+    from ray.serve.schema import ServeDeploySchema
+
+    deployments = [{"name": name, "user_config": config} for name, config in (user_configs or {}).items()]
+    deploy_config(ServeDeploySchema.model_validate({"applications": [
+        {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
+         **({"deployments": deployments} if deployments else {})}]}))
+    wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
+
+
+def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args):
+    args = {**lora_args, "model": {**lora_args["model"], "loras": {"magenta": {}}}}
+    serve.delete("ditserve")
+    try:
+        _deploy_file(args)
+        before = set(stats(url)["replicas"])
+        loras = {"magenta": {}, "late": {"path": str(EMBEDDED_LORA_DIR / "outline")}}
+        _deploy_file(args, {"DiTReplica": {"loras": loras}, "Ingress": {"acceleration": {}, "loras": loras}})
+        wait_until(lambda: "tiny-flux:late" in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]},
+                   timeout=60)
+        response = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "late"}]})
+        assert response.status_code == 200, response.text
+        assert set(stats(url)["replicas"]) == before  # the same replicas: nothing restarted
+    finally:
+        serve.delete("ditserve")  # the next module deploys afresh
