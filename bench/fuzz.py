@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SLOW_S = 5.0
 # Small limits keep the cases that pass validation cheap to generate (a few steps of 32x32).
-IMAGE_ARGS = {"limits": {"default_size": "32x32", "default_steps": 2, "max_steps": 3, "max_pixels": 64 * 64, "max_n": 2},
+IMAGE_ARGS = {"model": {"loras": {"magenta": {}, "outline": {}}},  # the embedded adapters: lora fields reach them
+              "limits": {"default_size": "32x32", "default_steps": 2, "max_steps": 3, "max_pixels": 64 * 64, "max_n": 2},
               "replica": {"torch_threads": 1}, "batching": {"max_wait_ms": 5}}
 VIDEO_ARGS = {"model": {"name": "tiny-wan"},
               "limits": {"default_size": "32x32", "default_steps": 2, "max_steps": 3, "max_pixels": 64 * 64,

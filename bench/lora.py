@@ -43,11 +43,6 @@ def app_args(affinity: bool) -> dict:
                          "max_affinity_wait_ms": 2000, "routing_stats_period_s": 0.5}}
 
 
-def loads(client: httpx.Client, url: str) -> int:
-    replicas = client.get(f"{url}/v1/stats").json()["router"]["replicas"].values()
-    return sum(r.get("lora_loads", 0) for r in replicas)
-
-
 def routing(ns) -> None:
     rng = random.Random(0)
     workload = [{"prompt": f"a shape {i}", "seed": i, "num_inference_steps": 4, "size": "64x64",
@@ -62,11 +57,9 @@ def routing(ns) -> None:
             url = f"{base}/{name}"
             burst(client, f"{url}/v1/images/generations", [{"prompt": "warm", "size": "64x64",
                                                             "num_inference_steps": 2}] * 2, 2)
-            time.sleep(1.0)  # let the replicas' routing stats settle before counting
-            before = loads(client, url)
             seconds, metas = burst(client, f"{url}/v1/images/generations", workload, ns.concurrency)
-            time.sleep(1.0)
-            counts[name] = (loads(client, url) - before, len({m["batch_id"] for m in metas}), seconds)
+            batches = {m["batch_id"]: m for m in metas}.values()  # each batch reports the loads it paid
+            counts[name] = (sum(m["acceleration"]["lora"]["loads"] for m in batches), len(batches), seconds)
     print(f"{ns.requests} requests over {len(ADAPTERS)} adapters, 2 replicas x max_loaded_loras=2, "
           f"{ns.concurrency} concurrent clients")
     per100 = {}

@@ -21,9 +21,13 @@ Policy (late binding; a batch is formed only when a replica can take it):
    - ``miss``: no replica (free or busy) holds that signature, so a free one must switch;
      only a *spare* replica switches (no queued request wants its current state), and
      it switches for the unheld queue with the most images.
+   - ``loaded`` (queues whose signature applies LoRA adapters): no free replica holds the
+     signature, but one has all of its adapters loaded; it switches at once (activating
+     adapters from its LRU is cheap, loading one from disk is not). A queue whose adapters
+     are loaded only on busy replicas waits for one of them like a held signature (at most
+     ``max_affinity_wait_ms``): it is not "unheld" for ``miss``.
    Whenever a replica must switch (``miss``, ``starvation``), the one that already has the
-   most of the queue's LoRA adapters loaded is chosen (adapter affinity: an adapter active
-   is a ``hit``, loaded is a cheap switch, neither means a load from disk).
+   most of the queue's LoRA adapters loaded is chosen.
    A ready queue whose signature is held only by busy replicas waits for one of them
    (at most ``max_affinity_wait_ms``), so state changes happen only when they must.
    Queues of batch work are considered only when no urgent queue can go, and a free
@@ -48,6 +52,7 @@ class RoutingDecision(StrEnum):
     FIFO = "fifo"
     HIT = "hit"
     MISS = "miss"
+    LOADED = "loaded"
     STARVATION = "starvation"
 
 
@@ -88,6 +93,11 @@ def serving_order(q: QueueView) -> tuple:
     return (not urgent, -(q.urgent_age_s if urgent else 0.0), -q.head_age_s)
 
 
+def holds_adapters(replica: ReplicaView, q: QueueView) -> bool:
+    """Whether ``replica`` has every LoRA adapter of ``q``'s signature loaded (False without any)."""
+    return bool(q.loras) and q.loras <= replica.loaded_loras
+
+
 def by_adapters(replicas: list[ReplicaView], q: QueueView) -> list[ReplicaView]:
     """``replicas`` with those holding more of ``q``'s LoRA adapters loaded first (stable)."""
     if not q.loras:
@@ -125,28 +135,33 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     # Replicas that may switch without abandoning queued work in their own state.
     spare = sorted((r for r in free if r.last_signature not in wanted), key=lambda r: r.last_signature is not None)
     urgent = [q for q in ready if q.urgent_age_s is not None]
-    decision = _affinity_choice(urgent, free, spare, held, max_affinity_wait_s)
+    decision = _affinity_choice(urgent, replicas, spare, held, max_affinity_wait_s)
     if decision is not None:
         return decision
-    decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], free, spare, held, max_affinity_wait_s)
+    decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], replicas, spare, held,
+                                max_affinity_wait_s)
     unheld_urgent = [q for q in urgent if q.signature not in held]
     if decision is not None and unheld_urgent:  # the free replica switches for urgent work, not batch work
         return Decision(unheld_urgent[0].signature, RoutingDecision.MISS, decision.replica_id)
     return decision
 
 
-def _affinity_choice(ready: list[QueueView], free: list[ReplicaView], spare: list[ReplicaView], held: set,
+def _affinity_choice(ready: list[QueueView], replicas: list[ReplicaView], spare: list[ReplicaView], held: set,
                      max_affinity_wait_s: float) -> Decision | None:
     """Rule 3 over ``ready`` (in serving order)."""
+    free = [r for r in replicas if not r.busy]
     for q in ready:
         match = next((r for r in free if r.last_signature == q.signature), None)
         if match is not None:
             return Decision(q.signature, RoutingDecision.HIT, match.replica_id)
+        warm = next((r for r in free if holds_adapters(r, q)), None)
+        if warm is not None:
+            return Decision(q.signature, RoutingDecision.LOADED, warm.replica_id)
         if q.head_age_s >= max_affinity_wait_s:
             target = by_adapters(spare or free, q)[0].replica_id
             reason = RoutingDecision.STARVATION if q.signature in held else RoutingDecision.MISS
             return Decision(q.signature, reason, target)
-    unheld = [q for q in ready if q.signature not in held]
+    unheld = [q for q in ready if q.signature not in held and not any(holds_adapters(r, q) for r in replicas)]
     if spare and unheld:  # switch once, for the queue that fills the biggest batch
         q = max(unheld, key=lambda q: (q.images, q.head_age_s))
         return Decision(q.signature, RoutingDecision.MISS, by_adapters(spare, q)[0].replica_id)

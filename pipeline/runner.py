@@ -28,8 +28,8 @@ from pipeline.signature import BatchSignature
 from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
                             after, plan_transition)
 from pipeline.tiny.registry import resolve_checkpoint
-from pipeline.wire import (AccelerationReport, Batch, CacheDiTReport, CfgGateReport, ModelFacts, RequestOutput,
-                           TransformerCacheReport)
+from pipeline.wire import (AccelerationReport, Batch, CacheDiTReport, CfgGateReport, LoraReport, ModelFacts,
+                           RequestOutput, TransformerCacheReport)
 from parallel.kernels import KERNELS
 
 logger = logging.getLogger("ditserve.runner")
@@ -98,6 +98,7 @@ class BatchRunner:
         self.compiles = 0
         self.run_steps: dict[str, list[int]] = {}  # of the last batch: transformer -> step indices
         self.last_transitions: dict[str, CacheTransition] = {}
+        self.last_lora_loads = 0  # adapters the last batch loaded from disk
         if attention_backend is not None:
             self.check_default_kernel()
             self._execute("startup", Action(ActionKind.SWITCH_KERNEL, attention_backend), None, None)
@@ -207,6 +208,7 @@ class BatchRunner:
         """Move this rank to the state the batch wants, executing ``plan_transition``'s actions.
         Raises what an action raises (a failed Cache-DiT action leaves every transformer unmounted)."""
         self.run_steps = schedule.run_steps
+        loads = self.lora.counters["lora_loads"]
         wanted = self.wanted_state(head, schedule)
         actions = plan_transition(self.state, wanted)
         for action in actions:
@@ -223,6 +225,7 @@ class BatchRunner:
         done = {a.target: CacheTransition(a.kind.value) for a in actions
                 if a.kind not in (ActionKind.SET_LORAS, ActionKind.SWITCH_KERNEL, ActionKind.COMPILE)}
         self.last_transitions = {name: done.get(name, CacheTransition.NONE) for name, _ in wanted.cache_dit}
+        self.last_lora_loads = self.lora.counters["lora_loads"] - loads
 
     def reset_cache(self) -> None:
         """Unmount Cache-DiT everywhere (after a failure): the exact forward path."""
@@ -358,4 +361,6 @@ class BatchRunner:
         return AccelerationReport(cache_dit=cache, attention_backend=self.state.attention_backend or "default",
                                   cfg_gate=CfgGateReport(gate_step=head.cfg_gate_fraction,
                                                          reused_steps=out.cfg_reused_steps),
-                                  transformer_calls=out.calls or {})
+                                  transformer_calls=out.calls or {},
+                                  lora=LoraReport(active=[f"{s.name}:{s.scale:g}" for s in head.lora],
+                                                  loads=self.last_lora_loads))

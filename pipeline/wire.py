@@ -141,14 +141,24 @@ class CfgGateReport(Report):
     reused_steps: int = 0
 
 
+class LoraReport(Report):
+    """The LoRA adapters of a batch: ``active`` as ``name:scale``, and how many of them the
+    replica had to load from disk for it (``loads``; 0: all came from its LRU)."""
+
+    active: list[str] = []
+    loads: int = 0
+
+
 class AccelerationReport(Report):
     """Which accelerations ran for a batch. ``attention_backend``: the kernel name or
-    ``"default"``. ``transformer_calls``: transformer name -> forwards run."""
+    ``"default"``. ``transformer_calls``: transformer name -> forwards run. ``lora``: the
+    adapters applied (:class:`LoraReport`)."""
 
     cache_dit: CacheDiTReport = CacheDiTReport()
     attention_backend: str = "default"
     cfg_gate: CfgGateReport = CfgGateReport()
     transformer_calls: dict[str, int] = {}
+    lora: LoraReport = LoraReport()
 
 
 class BatchReport(Report):

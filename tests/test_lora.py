@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deployments.config import EMBEDDED_LORA_DIR, AppConfig
-from deployments.scheduling import QueueView, ReplicaView, RoutingDecision, choose_queue
+from deployments.scheduling import Decision, QueueView, ReplicaView, RoutingDecision, choose_queue
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import LoraEntry, LoraSpec
@@ -90,16 +90,26 @@ def test_adapters_are_the_first_state_transition():
     assert plan_transition(ReplicaState(loras=spec), ReplicaState(loras=spec)) == []
 
 
-def test_a_switching_replica_is_the_one_holding_the_adapters():
-    queue = QueueView("sig-m", head_age_s=1.0, images=1, cost=1.0, urgent_age_s=1.0, loras=frozenset({"magenta"}))
-    replicas = [ReplicaView("r1", "sig-x", False, frozenset({"outline"})),
-                ReplicaView("r2", "sig-y", False, frozenset({"magenta", "outline"}))]
-    decision = choose_queue([queue], replicas, max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
-    assert decision.reason == RoutingDecision.MISS and decision.replica_id == "r2"
-    starving = QueueView("sig-m", head_age_s=5.0, images=1, cost=1.0, urgent_age_s=5.0, loras=frozenset({"magenta"}))
-    decision = choose_queue([starving, QueueView("sig-x", 5.0, 1, 1.0, 5.0)], replicas[::-1] + [
-        ReplicaView("r3", "sig-x", True)], max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
-    assert decision.replica_id == "r2"
+def test_routing_prefers_replicas_holding_the_adapters():
+    def queue(sig, age, loras):
+        return QueueView(sig, head_age_s=age, images=1, cost=1.0, urgent_age_s=age, loras=frozenset(loras))
+
+    def choose(queues, replicas):
+        return choose_queue(queues, replicas, max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
+
+    r1 = ReplicaView("r1", "sig-x", False, frozenset({"outline"}))
+    r2 = ReplicaView("r2", "sig-y", False, frozenset({"magenta", "outline"}))
+    # active (the same signature) first, then loaded
+    assert choose([queue("sig-y", 1.0, {"magenta"})], [r1, r2]) == Decision("sig-y", RoutingDecision.HIT, "r2")
+    assert choose([queue("sig-m", 1.0, {"magenta"})], [r1, r2]) == Decision("sig-m", RoutingDecision.LOADED, "r2")
+    # loaded nowhere: a spare replica switches, the one with more of the adapters loaded
+    both = queue("sig-mo", 1.0, {"magenta", "other"})
+    fresh = ReplicaView("r0", None, False)
+    assert choose([both], [fresh, r2]) == Decision("sig-mo", RoutingDecision.MISS, "r2")
+    # loaded only on a busy replica: wait for it, up to the starvation bound, then any free one
+    busy = ReplicaView("r3", "sig-z", True, frozenset({"magenta"}))
+    assert choose([queue("sig-m", 1.0, {"magenta"})], [fresh, busy]) is None
+    assert choose([queue("sig-m", 2.5, {"magenta"})], [fresh, busy]).replica_id == "r0"
 
 
 # -- the replica state, on the embedded model ---------------------------------------------

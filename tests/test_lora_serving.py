@@ -70,6 +70,7 @@ def test_mixed_workload_over_http_and_the_handle(client, url):
     assert np.array_equal(base, zero)
     magenta, meta = _image(client, lora=[{"name": "magenta", "scale": 1.0}])
     assert np.abs(magenta - base).max() > 20 and "lora=magenta:1" in meta["signature"]
+    assert meta["acceleration"]["lora"]["active"] == ["magenta:1"]
     by_model, meta = _image(client, model="tiny-flux:magenta")
     assert np.array_equal(by_model, magenta)  # model "<base>:<adapter>" = the adapter at its default scale
     with ThreadPoolExecutor(6) as pool:  # a mixed burst: each answer equals its request run alone
@@ -107,7 +108,7 @@ def test_affinity_prefers_the_replica_holding_the_adapter(client, url):
     loads, batches = replica()["lora_loads"], replica()["batches"]
     for scale in (0.4, 0.5, 0.6):
         _, meta = _image(client, lora=[{"name": "outline", "scale": scale}], seed=2)
-        assert meta["replica"] == rid and meta["state_change"]
+        assert meta["replica"] == rid and meta["state_change"] and meta["acceleration"]["lora"]["loads"] == 0
     wait_until(lambda: replica()["batches"] >= batches + 3)
     assert replica()["lora_loads"] == loads  # switched from the LRU: no load from disk
 

@@ -37,9 +37,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve` scripts
-# Ray's custom metrics from deployments/router.py, as the metrics export names them.
+# Ray's custom metrics from deployments/router.py (and the replica's LoRA loads), as the metrics export names them.
 METRICS = ("ditserve_queue_depth", "ditserve_batch_size", "ditserve_queue_wait_ms", "ditserve_routing_decisions",
-           "ditserve_rejections")
+           "ditserve_rejections", "ditserve_lora_loads")
 
 
 @dataclass
@@ -159,6 +159,8 @@ CLIENT = textwrap.dedent("""
     except RequestTimeoutError as exc:
         out["timeout"] = {"type": type(exc.cause).__name__, "status": exc.status_code}
     out["after"] = handle.generate.remote(body(0)).result(timeout_s=300).data[0].b64_json
+    lora = handle.generate.remote({**body(8), "lora": [{"name": "magenta"}]}).result(timeout_s=300)
+    out["lora"] = lora.ditserve.acceleration.lora.model_dump()
     print("RESULT" + json.dumps(out))
 """)
 
@@ -193,6 +195,7 @@ def test_handle_from_another_job_burst_and_typed_errors(client_run):
     # so a few values may round to the neighbouring uint8 level in the PNG.
     after = np.asarray(_png(client_run["after"]), dtype=np.int16)
     assert np.abs(after - np.asarray(_png(burst[0]["png"]), dtype=np.int16)).max() <= 1
+    assert client_run["lora"] == {"active": ["magenta:1"], "loads": 1}  # the config file's embedded adapter
 
 
 def test_example_handle_client_runs(ops_cluster, client_run):
@@ -215,6 +218,7 @@ EXPORTED = {
                                "ray_ditserve_queue_wait_ms_sum"],
     "ditserve_routing_decisions": ["ray_ditserve_routing_decisions_total"],
     "ditserve_rejections": ["ray_ditserve_rejections_total"],
+    "ditserve_lora_loads": ["ray_ditserve_lora_loads_total"],  # DiTReplica's (configs/tiny-cpu.yaml's adapters)
 }
 
 
