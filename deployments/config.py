@@ -28,7 +28,7 @@ class LoraSettings(_Strict):
     or null for the embedded tiny-flux adapter of the same name (``magenta``, ``outline``);
     ``default_scale``: its scale when a request gives none."""
 
-    path: str | None = None
+    path: str | None = Field(default=None, min_length=1)
     default_scale: float = Field(default=1.0, allow_inf_nan=False)
 
 

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.errors import BatchCancelled, SharedFailure
+from pipeline.errors import BatchCancelled, LoraLoadError, SharedFailure
 from pipeline.state import StateTransitionError
 from pipeline.wire import Batch
 
@@ -35,7 +35,7 @@ from pipeline.wire import Batch
 # before the group is declared broken.
 SAME_FAILURE_GRACE_S = 30.0
 # Ways a batch can end on every rank that leave the ranks in step.
-CONSISTENT = (StateTransitionError, BatchCancelled, SharedFailure)
+CONSISTENT = (StateTransitionError, BatchCancelled, SharedFailure, LoraLoadError)
 
 
 def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -> str:

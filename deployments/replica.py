@@ -104,18 +104,21 @@ class DiTReplica:
         self._batches = 0
         self._state_changes = 0
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         """Serve's ``user_config`` hook: ``{"loras": {...}}``, the adapter registry
-        (``model.loras``). Adapters new to this replica are checked against the model now, so a
-        bad one fails the config update, not a request. Raises ``ValueError`` naming it."""
+        (``model.loras``). Adapters new to this replica are checked against the model now (after
+        the running batch, which may be changing the model's adapter layers), so a bad one fails
+        the config update, not a request. Raises ``ValueError`` naming it."""
         from deployments.config import LoraSettings, check_lora_registry, lora_registry
 
         loras = (user_config or {}).get("loras") or {}
         check_lora_registry({name: LoraSettings.model_validate(v) for name, v in loras.items()})
         known = lora_registry(self._loras)
-        for name, entry in lora_registry(loras).items():
-            if name not in known or known[name].path != entry.path:
-                self._runner.lora.check(name, entry.path)
+        new = [(n, e.path) for n, e in lora_registry(loras).items() if n not in known or known[n].path != e.path]
+        if new:
+            async with self._lock:
+                for name, path in new:
+                    await asyncio.to_thread(self._runner.lora.check, name, path)
         self._loras = dict(loras)
 
     def facts(self) -> ModelFacts:

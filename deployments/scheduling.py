@@ -22,7 +22,8 @@ Policy (late binding; a batch is formed only when a replica can take it):
      only a *spare* replica switches (no queued request wants its current state), and
      it switches for the unheld queue with the most images.
    - ``loaded`` (queues whose signature applies LoRA adapters): no free replica holds the
-     signature, but one has all of its adapters loaded; it switches at once (activating
+     signature, but one has all of its adapters loaded and is not another ready queue's hit;
+     it switches at once (activating
      adapters from its LRU is cheap, loading one from disk is not). A queue whose adapters
      are loaded only on busy replicas waits for one of them like a held signature (at most
      ``max_affinity_wait_ms``): it is not "unheld" for ``miss``.
@@ -150,11 +151,13 @@ def _affinity_choice(ready: list[QueueView], replicas: list[ReplicaView], spare:
                      max_affinity_wait_s: float) -> Decision | None:
     """Rule 3 over ``ready`` (in serving order)."""
     free = [r for r in replicas if not r.busy]
+    ready_signatures = {q.signature for q in ready}
     for q in ready:
         match = next((r for r in free if r.last_signature == q.signature), None)
         if match is not None:
             return Decision(q.signature, RoutingDecision.HIT, match.replica_id)
-        warm = next((r for r in free if holds_adapters(r, q)), None)
+        # a replica another ready queue would hit stays that queue's
+        warm = next((r for r in free if holds_adapters(r, q) and r.last_signature not in ready_signatures), None)
         if warm is not None:
             return Decision(q.signature, RoutingDecision.LOADED, warm.replica_id)
         if q.head_age_s >= max_affinity_wait_s:

@@ -115,6 +115,13 @@ class InternalError(DitServeError):
     error_type = "server_error"
 
 
+class LoraLoadError(InternalError):
+    """500 ``lora_load_failed``: a LoRA adapter a batch names could not be loaded or activated
+    (its file went missing or is corrupt). Raised before the denoising loop on every rank alike,
+    so a sequence-parallel replica stays in step; the adapter is unloaded and the replica keeps
+    serving."""
+
+
 class BatchCancelled(Exception):
     """Not an answer to a client: control flow inside a replica. A running batch was stopped at
     a step boundary because no caller wanted it any more; ``steps_done`` of ``steps`` ran."""

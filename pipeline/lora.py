@@ -37,9 +37,11 @@ class AdapterLoadError(RuntimeError):
     """An adapter's file could not be loaded (missing, corrupt, not a LoRA): the batch that
     wanted it fails, naming ``adapter``; the rank unloads what it had of it and keeps serving."""
 
-    def __init__(self, adapter: str, cause: BaseException):
+    def __init__(self, adapter: str, cause: BaseException, public: str | None = None):
         super().__init__(f"LoRA adapter {adapter!r} could not be loaded ({type(cause).__name__}: {cause})")
         self.adapter = adapter
+        self.cause = cause
+        self.public = public or type(cause).__name__  # what a client may read (no file paths)
 
 
 def lora_state_dict(pipe, path: str) -> dict[str, torch.Tensor]:
@@ -48,20 +50,40 @@ def lora_state_dict(pipe, path: str) -> dict[str, torch.Tensor]:
     ``transformer.``. Raises ``ValueError`` when the file has weights for another component
     (text encoders: only transformer adapters are served) or no LoRA weights at all, and
     ``FileNotFoundError`` when ``path`` does not exist."""
+    return lora_file(pipe, path)[0]
+
+
+def _source(path: str) -> tuple[str, dict]:
+    """``load_lora_weights``'s source and keyword arguments for a local file or directory;
+    raises ``FileNotFoundError`` when ``path`` does not exist (never a hub lookup)."""
     local = Path(path)
-    if not local.exists():
-        raise FileNotFoundError(f"{path} does not exist (adapters are local files)")
+    if not path or not local.exists():
+        raise FileNotFoundError(f"{path!r} does not exist (adapters are local files)")
     kwargs = {"weight_name": local.name} if local.is_file() else {}
-    source = str(local.parent) if local.is_file() else str(local)
-    state_dict = type(pipe).lora_state_dict(source, **kwargs)
-    if isinstance(state_dict, tuple):  # (state_dict, network_alphas[, metadata])
-        state_dict = state_dict[0]
+    return (str(local.parent) if local.is_file() else str(local)), {**kwargs, "local_files_only": True}
+
+
+def lora_file(pipe, path: str) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
+    """``(state_dict, network_alphas, metadata)`` of the LoRA file(s) at ``path`` as the
+    pipeline's own ``lora_state_dict`` converts them (see :func:`lora_state_dict`), with the
+    alphas (kohya) and the PEFT metadata (rank, ``lora_alpha``) ``load_lora_adapter`` needs."""
+    import inspect
+
+    source, kwargs = _source(path)
+    accepts = inspect.signature(type(pipe).lora_state_dict).parameters
+    if "return_alphas" in accepts or "kwargs" in accepts:
+        kwargs["return_alphas"] = True
+    kwargs["return_lora_metadata"] = True
+    out = type(pipe).lora_state_dict(source, **kwargs)
+    state_dict, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    alphas = rest[0] if len(rest) == 2 else None
+    metadata = rest[-1] if rest else None
     other = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
     if other:
         raise ValueError(f"has weights for {', '.join(other)}; only transformer adapters are served")
     if not any("lora" in k for k in state_dict):
         raise ValueError("has no LoRA weights")
-    return state_dict
+    return state_dict, alphas, metadata
 
 
 def adapter_problems(transformer: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -97,11 +119,14 @@ class LoraAdapters:
     ``pipe``: the family's diffusers pipeline; ``transformer``: its transformer.
     ``max_loaded``: adapters kept loaded (LRU). ``hotswap``: ``(slots, max_rank, registry)``
     for torch.compile (``registry``: name -> path of the adapters registered at start, whose
-    target modules the slots cover); None for eager switching.
+    target modules the slots cover); None for eager switching. ``compiled``: the transformer
+    will be compiled: without slots (no adapter registered at start) adapters are refused,
+    since loading one would change the compiled graph.
     """
 
     def __init__(self, pipe, transformer: torch.nn.Module, max_loaded: int = 4,
-                 hotswap: tuple[int, int, dict[str, str]] | None = None):
+                 hotswap: tuple[int, int, dict[str, str]] | None = None, compiled: bool = False):
+        self.compiled = compiled
         self.pipe = pipe
         self.transformer = transformer
         self.max_loaded = max_loaded
@@ -120,14 +145,16 @@ class LoraAdapters:
             state_dict = lora_state_dict(self.pipe, path)
         except Exception as exc:  # noqa: BLE001 - any reading failure is the adapter's problem
             raise ValueError(f"model.loras.{name}: cannot read {path}: {type(exc).__name__}: {exc}") from None
-        problems = adapter_problems(self.transformer, state_dict)
-        if self.slots:
-            problems += self._slot_problems(state_dict)
+        problems = adapter_problems(self.transformer, state_dict) + self._compile_problems(state_dict)
         if problems:
             raise ValueError(f"model.loras.{name} ({path}) does not fit the model: " + "; ".join(problems))
 
     # -- hot-swap slots ---------------------------------------------------------------
     def _create_slots(self, slots: int, max_rank: int, registry: dict[str, str]) -> None:
+        """``slots`` zero adapters of rank ``max_rank`` over the union of the registered
+        adapters' target layers, all active at weight 1, then PEFT's preparation for compiled
+        hot-swap (padded ranks, scalings as tensors): what diffusers' ``enable_lora_hotswap``
+        arranges for one adapter, for several slots at once."""
         from peft import LoraConfig
         from peft.utils.hotswap import prepare_model_for_compiled_hotswap
 
@@ -149,7 +176,13 @@ class LoraAdapters:
         self.transformer.set_adapters(self.slots, [1.0] * len(self.slots))
         prepare_model_for_compiled_hotswap(self.transformer, target_rank=max_rank)  # scalings become tensors
 
-    def _slot_problems(self, state_dict) -> list[str]:
+    def _compile_problems(self, state_dict) -> list[str]:
+        """Why an adapter cannot be swapped into this compiled transformer (none when eager)."""
+        if not self.compiled:
+            return []
+        if not self.slots:
+            return ["with torch_compile, adapters must be registered at start (model.loras): the hot-swap slots "
+                    "are made before the transformer is compiled"]
         rank = lora_rank(state_dict)
         outside = sorted({k.removeprefix("transformer.").split(".lora_")[0] for k in state_dict if ".lora_" in k}
                          - set(self.targets))
@@ -165,9 +198,10 @@ class LoraAdapters:
                 if slot in getattr(module, "lora_B", {}):
                     module.lora_B[slot].weight.data.zero_()
             return
-        state_dict = self.loaded[spec.name][1]
+        state_dict, alphas, metadata = self.loaded[spec.name][1]
         scaled = {k: v * spec.scale if ".lora_B." in k else v for k, v in state_dict.items()}
-        self.transformer.load_lora_adapter(scaled, prefix="transformer", adapter_name=slot, hotswap=True)
+        self.transformer.load_lora_adapter(scaled, prefix="transformer", adapter_name=slot, hotswap=True,
+                                           network_alphas=alphas, metadata=metadata)
 
     # -- per batch ----------------------------------------------------------------------
     def _load(self, spec: LoraSpec) -> None:
@@ -179,17 +213,15 @@ class LoraAdapters:
         if entry is not None:  # re-registered under the same name with another file
             self._evict(spec.name)
         try:
-            if self.slots:
-                state_dict = lora_state_dict(self.pipe, spec.path)
-                problems = adapter_problems(self.transformer, state_dict) + self._slot_problems(state_dict)
+            if self.compiled:
+                loaded = lora_file(self.pipe, spec.path)
+                problems = adapter_problems(self.transformer, loaded[0]) + self._compile_problems(loaded[0])
                 if problems:
                     raise ValueError("; ".join(problems))
-                self.loaded[spec.name] = (spec.path, state_dict)
+                self.loaded[spec.name] = (spec.path, loaded)
             else:
-                path = Path(spec.path)
-                kwargs = {"weight_name": path.name} if path.is_file() else {}
-                self.pipe.load_lora_weights(str(path.parent if path.is_file() else path), adapter_name=spec.name,
-                                            **kwargs)
+                source, kwargs = _source(spec.path)
+                self.pipe.load_lora_weights(source, adapter_name=spec.name, **kwargs)
                 self.loaded[spec.name] = (spec.path, None)
         except Exception as exc:
             self._unload_partial(spec.name)
@@ -199,12 +231,12 @@ class LoraAdapters:
 
     def _unload_partial(self, name: str) -> None:
         self.loaded.pop(name, None)
-        if not self.slots and name in getattr(self.transformer, "peft_config", {}):
+        if not self.compiled and name in getattr(self.transformer, "peft_config", {}):
             self.pipe.delete_adapters(name)
 
     def _evict(self, name: str) -> None:
         self.loaded.pop(name)
-        if not self.slots:
+        if not self.compiled:
             self.pipe.delete_adapters(name)
         self.counters["lora_evictions"] += 1
         logger.info("LoRA adapter %s evicted", name)
@@ -212,10 +244,14 @@ class LoraAdapters:
     def activate(self, specs: tuple[LoraSpec, ...]) -> None:
         """Make ``specs`` the active adapter set (empty: the base model): load what is missing
         (evicting the least recently used adapters not in ``specs`` beyond ``max_loaded``), then
-        activate. Raises ``AdapterLoadError`` naming the adapter that failed; the rank is then
-        on the base model with every adapter that did load still in the LRU."""
+        activate. Raises ``AdapterLoadError`` naming the adapter that failed; on that or any other
+        failure the rank is left on the base model, with every adapter that did load still in
+        the LRU."""
         self.active = ()
         try:
+            if self.compiled and len(specs) > len(self.slots):
+                reason = f"{len(specs)} adapters but {len(self.slots)} hot-swap slots (limits.max_loras)"
+                raise AdapterLoadError(specs[-1].name, ValueError(reason), public=reason)
             for spec in specs:
                 self._load(spec)
             wanted = {s.name for s in specs}
@@ -223,17 +259,20 @@ class LoraAdapters:
                 if len(self.loaded) <= max(self.max_loaded, len(wanted)):
                     break
                 self._evict(name)
-        except AdapterLoadError:
-            self._base()
+            if self.slots:
+                for i, slot in enumerate(self.slots):
+                    self._swap_in(slot, specs[i] if i < len(specs) else None)
+            elif specs:
+                self.transformer.enable_lora()
+                self.transformer.set_adapters([s.name for s in specs], [s.scale for s in specs])
+            else:
+                self._base()
+        except Exception:
+            try:
+                self._base()
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                logger.exception("LoRA: could not return to the base model")
             raise
-        if self.slots:
-            for i, slot in enumerate(self.slots):
-                self._swap_in(slot, specs[i] if i < len(specs) else None)
-        elif specs:
-            self.transformer.enable_lora()
-            self.transformer.set_adapters([s.name for s in specs], [s.scale for s in specs])
-        else:
-            self._base()
         self.active = specs
 
     def _base(self) -> None:

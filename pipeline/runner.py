@@ -17,7 +17,7 @@ import torch
 from compat import torch as torch_compat
 from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import BatchCancelled, InternalError, InvalidRequestError, SharedFailure
+from pipeline.errors import BatchCancelled, InvalidRequestError, LoraLoadError, SharedFailure
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
@@ -88,7 +88,8 @@ class BatchRunner:
         self.rank, self.world_size = 0, 1
         transformers = self.family.transformers
         hotswap = (max_loras, lora_max_rank, dict(loras)) if torch_compile and loras else None
-        self.lora = LoraAdapters(self.family.pipe, transformers["transformer"], max_loaded_loras, hotswap=hotswap)
+        self.lora = LoraAdapters(self.family.pipe, transformers["transformer"], max_loaded_loras, hotswap=hotswap,
+                                 compiled=torch_compile)
         for adapter, adapter_path in (loras or {}).items():
             self.lora.check(adapter, adapter_path)
         self.cache = {name: CacheDiTExecutor(module) for name, module in transformers.items()}
@@ -181,8 +182,8 @@ class BatchRunner:
             try:  # diffusers' split/gather hooks come off and go back on the layers LoRA wraps (proj_out)
                 with sequence_split_suspended(self.family.transformers["transformer"]):
                     self.lora.activate(action.loras)
-            except AdapterLoadError:
-                self.state = after(self.state, Action(ActionKind.SET_LORAS, None))  # on the base model now
+            except Exception:
+                self.state = after(self.state, Action(ActionKind.SET_LORAS, None))  # activate left the base model
                 raise
         elif kind == ActionKind.SWITCH_KERNEL:
             self.attention.apply(self.attention.prepare(name))  # prepare may raise; apply cannot
@@ -216,9 +217,9 @@ class BatchRunner:
                 self._execute(batch_id, action, head, schedule)
             except AdapterLoadError as exc:
                 logger.error("batch %s: %s", batch_id, exc)
-                raise InternalError(f"LoRA adapter {exc.adapter!r} could not be loaded "
-                                    f"({type(exc.__cause__).__name__}); it was unloaded and the replica keeps "
-                                    "serving", param="lora", code="lora_load_failed") from None
+                raise LoraLoadError(f"LoRA adapter {exc.adapter!r} could not be loaded ({exc.public}); it was "
+                                    "unloaded and the replica keeps serving", param="lora",
+                                    code="lora_load_failed") from None
             except Exception as exc:
                 raise StateTransitionError(f"{action.kind} {action.target or 'default'} failed: "
                                            f"{type(exc).__name__}: {exc}") from exc

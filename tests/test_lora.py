@@ -12,7 +12,7 @@ from deployments.scheduling import Decision, QueueView, ReplicaView, RoutingDeci
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import LoraEntry, LoraSpec
-from pipeline.errors import InternalError, InvalidRequestError, ModelNotFoundError
+from pipeline.errors import InternalError, InvalidRequestError, LoraLoadError, ModelNotFoundError
 from pipeline.runner import BatchRunner
 from pipeline.sampling import resolve
 from pipeline.signature import BatchSignature
@@ -64,6 +64,9 @@ def test_model_names_an_adapter():
     ({"model": "tiny-flux:magenta", "lora": [{"name": "magenta"}]}, 400, "model already selects"),
     ({"model": "tiny-flux:magenta", "lora": [{"name": "outline"}, {"name": "x2"}]}, 400, "at most 2"),
     ({"lora": "magenta"}, 400, "lora"),
+    ({"lora": [{"name": "magenta\n"}]}, 400, "no paths"),
+    ({"extra_body": {"model": "tiny-flux:nope"}}, 404, "is not served here"),
+    ({"extra_body": {"model": "tiny-flux:magenta"}, "lora": [{"name": "magenta"}]}, 400, "model already selects"),
 ])
 def test_bad_adapter_requests(body, status, words):
     with pytest.raises((InvalidRequestError, ModelNotFoundError)) as info:
@@ -110,6 +113,10 @@ def test_routing_prefers_replicas_holding_the_adapters():
     busy = ReplicaView("r3", "sig-z", True, frozenset({"magenta"}))
     assert choose([queue("sig-m", 1.0, {"magenta"})], [fresh, busy]) is None
     assert choose([queue("sig-m", 2.5, {"magenta"})], [fresh, busy]).replica_id == "r0"
+    # a replica whose state another ready queue (without adapters) wants stays that queue's hit
+    plain = ReplicaView("r4", "sig-plain", False, frozenset({"magenta"}))
+    assert choose([queue("sig-m", 1.0, {"magenta"}), queue("sig-plain", 0.5, ())], [plain]) == Decision(
+        "sig-plain", RoutingDecision.HIT, "r4")
 
 
 # -- the replica state, on the embedded model ---------------------------------------------
@@ -208,6 +215,23 @@ def test_missing_or_corrupt_adapter_fails_its_batch_and_is_unloaded(runner, tmp_
     assert np.array_equal(base, runner.denoise(batch_of(_p(3, (LoraSpec("magenta", 0.0, MAGENTA),)))).images[0])
 
 
+def test_any_failure_while_switching_leaves_the_base_model(monkeypatch):
+    runner = BatchRunner("tiny-flux", max_loaded_loras=1)
+    magenta, outline = (LoraSpec("magenta", 1.0, MAGENTA),), (LoraSpec("outline", 1.0, OUTLINE),)
+    want = runner.denoise(batch_of(_p(1, magenta))).images[0]
+    transformer = runner.family.transformer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(transformer, "set_adapters", broken)
+    with pytest.raises(Exception, match="injected"):
+        runner.denoise(batch_of(_p(1, outline)))  # evicts magenta, then fails to activate outline
+    assert runner.state.loras == ()
+    monkeypatch.undo()
+    assert np.array_equal(runner.denoise(batch_of(_p(1, magenta))).images[0], want)
+
+
 def test_incompatible_adapter_is_refused_at_registration(tmp_path):
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
@@ -239,9 +263,38 @@ def test_hotswap_under_torch_compile_never_recompiles():
         graphs.append(torch_compat.dynamo_counts()["compiled_graphs"])
     assert graphs[0] >= 1 and len(set(graphs)) == 1, graphs  # compiled once, never again
     assert compiled.counters()["compiles"] == 1
+    with pytest.raises(InternalError, match="3 adapters but 2 hot-swap slots"):
+        compiled.denoise(batch_of(_p(2, sets[3] + (LoraSpec("z", 1.0, MAGENTA),))))
     with pytest.raises(ValueError, match="lora_max_rank"):
         BatchRunner("tiny-flux", loras={"outline": OUTLINE}, torch_compile=True, compile_backend="eager",
                     lora_max_rank=4)
+    bare = BatchRunner("tiny-flux", torch_compile=True, compile_backend="eager")
+    with pytest.raises(ValueError, match="must be registered at start"):
+        bare.lora.check("late", MAGENTA)
+    with pytest.raises(InternalError, match="'late' could not be loaded"):
+        bare.denoise(batch_of(_p(2, (LoraSpec("late", 1.0, MAGENTA),))))
+
+
+def test_hotswap_keeps_the_adapters_own_alpha(tmp_path):
+    """An adapter saved with PEFT metadata lora_alpha != r: the hot-swapped slot scales it as
+    diffusers' eager loading does."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    state = load_file(f"{MAGENTA}/pytorch_lora_weights.safetensors")
+    targets = sorted({k.removeprefix("transformer.").split(".lora_")[0] for k in state})
+    FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers={k.removeprefix("transformer."): v
+                                                                        for k, v in state.items()},
+                                   transformer_lora_adapter_metadata={"r": 4, "lora_alpha": 16,
+                                                                      "target_modules": targets})
+    spec = (LoraSpec("alpha", 0.5, str(tmp_path)),)
+    compiled = BatchRunner("tiny-flux", loras={"alpha": str(tmp_path)}, torch_compile=True, compile_backend="eager",
+                           max_loras=1, lora_max_rank=8)
+    eager = BatchRunner("tiny-flux", loras={"alpha": str(tmp_path)})
+    ours, ref = (r.denoise(batch_of(_p(2, spec))).images[0] for r in (compiled, eager))
+    assert np.abs(ours - ref).max() <= TOL
+    plain = eager.denoise(batch_of(_p(2, (LoraSpec("magenta", 0.5, MAGENTA),)))).images[0]
+    assert np.abs(ref - plain).max() > 0.05  # alpha 16 over rank 4 is not the same adapter as alpha = rank
 
 
 @pytest.mark.slow
@@ -265,6 +318,12 @@ def test_two_ranks_with_adapters_equal_one_rank(ray_cluster, runner):
             sharded = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)[0]
             for a, b in zip(runner.denoise(batch).images, sharded.images, strict=True):
                 assert np.abs(a - b).max() <= TOL
+            # an adapter whose file is gone fails on every rank alike, before any collective: the
+            # ranks stay in step (the replica treats LoraLoadError as consistent) and serve on
+            gone = batch_of(_p(4, (LoraSpec("gone", 1.0, "/nonexistent/gone"),)))
+            for ref in [w.denoise.remote(gone) for w in workers]:
+                with pytest.raises(LoraLoadError):
+                    ray.get(ref, timeout=300)
     finally:
         for w in workers:
             ray.kill(w)

@@ -333,7 +333,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param="body")
     check_shape(body, limits)
-    adapter = model_adapter(body.get("model"), limits)
+    model_adapter(body.get("model"), limits)  # 404 before any 400: the model is checked first
     try:
         request = model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
@@ -343,7 +343,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         if len(errors) > MAX_ERRORS_LISTED:
             message += f"; and {len(errors) - MAX_ERRORS_LISTED} more problems"
         raise InvalidRequestError(message, param=described[0][0], code="invalid_value") from None
-    check_loras(request, adapter, limits)
+    check_loras(request, model_adapter(request.model, limits), limits)  # also a model given in extra_body
     return request
 
 

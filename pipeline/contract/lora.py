@@ -39,7 +39,7 @@ def name_problem(field: str, name: object) -> str | None:
     """Why ``name`` cannot name a registered adapter (None: it can)."""
     if not isinstance(name, str) or not name:
         return f"{field} must be a non-empty adapter name, got {shown(name)}"
-    if not LORA_NAME_RE.match(name):
+    if not LORA_NAME_RE.fullmatch(name):
         return (f"{field} must be a registered adapter name (letters, digits, '.', '_', '-'; at most 64; no paths), "
                 f"got {shown(name)}")
     return None
