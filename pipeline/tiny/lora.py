@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from compat import diffusers as compat
 from pipeline.tiny.data import make_dataset, split_scenes
@@ -67,7 +66,7 @@ def train_adapter(name: str, out: Path, *, seed: int = 0, images: int = 2048, st
     from peft.utils import get_peft_model_state_dict
 
     from pipeline.tiny.registry import trained_tiny_flux
-    from pipeline.tiny.train import _batches, tokenize
+    from pipeline.tiny.train import _batches, flow_matching_loss, optimiser_step, tokenize
 
     recipe = RECIPES[name]
     steps = recipe.steps if steps is None else steps
@@ -105,20 +104,10 @@ def train_adapter(name: str, out: Path, *, seed: int = 0, images: int = 2048, st
     transformer.train()
     for step in range(steps):
         idx = next(batches)
-        x0, cap = latents[idx], cond_index[idx]
-        eps = torch.randn(x0.shape, generator=generator)
-        sigma = torch.sigmoid(torch.randn(len(idx), generator=generator))
-        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
-        guidance = 1.0 + 4.0 * torch.rand(len(idx), generator=generator)
-        pred = transformer(hidden_states=xt, timestep=sigma, guidance=guidance, pooled_projections=pooled[cap],
-                           encoder_hidden_states=embeds[cap], txt_ids=text_ids, img_ids=img_ids,
-                           return_dict=False)[0]
-        loss = F.mse_loss(pred, eps - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        cap = cond_index[idx]
+        loss = flow_matching_loss(transformer, latents[idx], lambda: (pooled[cap], embeds[cap]), text_ids, img_ids,
+                                  generator)
+        optimiser_step(loss, opt, sched, params)
         if step % 100 == 0 or step == steps - 1:
             log(f"{name} step {step:4d} loss {loss.item():.4f}")
     transformer.eval()

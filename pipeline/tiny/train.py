@@ -83,6 +83,32 @@ def tokenize(pipe, captions: list[str], max_sequence_length: int) -> tuple[torch
     return clip, t5
 
 
+def flow_matching_loss(transformer, x0: torch.Tensor, conditioning, text_ids: torch.Tensor, img_ids: torch.Tensor,
+                       generator: torch.Generator) -> torch.Tensor:
+    """The rectified-flow loss of one batch of packed latents ``x0`` (B, S, C): draws noise,
+    a logit-normal σ and a guidance scale in [1, 5] from ``generator`` (in that order), then
+    calls ``conditioning()`` for ``(pooled, prompt_embeds)`` and regresses ``ε − x_0``."""
+    n = len(x0)
+    eps = torch.randn(x0.shape, generator=generator)
+    sigma = torch.sigmoid(torch.randn(n, generator=generator))
+    s = sigma[:, None, None]
+    xt = (1 - s) * x0 + s * eps
+    guidance = 1.0 + 4.0 * torch.rand(n, generator=generator)
+    pooled, embeds = conditioning()
+    pred = transformer(hidden_states=xt, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                       encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]
+    return F.mse_loss(pred, eps - x0)
+
+
+def optimiser_step(loss: torch.Tensor, opt, sched, params) -> None:
+    """Backward, clip the gradient norm to 1, step the optimiser and its schedule."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, steps: int,
                       generator: torch.Generator, log, batch: int = 32, ema_decay: float = 0.999) -> None:
     """Flow matching on the transformer and both text encoders. ``clip_ids``/``t5_ids``: the
@@ -105,22 +131,10 @@ def train_transformer(pipe, latents, cond_index, clip_ids, t5_ids, text_ids, ste
         x0 = latents[idx]
         cap = cond_index[idx].clone()
         cap[torch.rand(batch, generator=generator) < 0.1] = empty
-        eps = torch.randn(x0.shape, generator=generator)
-        sigma = torch.sigmoid(torch.randn(batch, generator=generator))
-        s = sigma[:, None, None]
-        xt = (1 - s) * x0 + s * eps
-        guidance = 1.0 + 4.0 * torch.rand(batch, generator=generator)
-        pooled = pipe.text_encoder(clip_ids[cap], output_hidden_states=False).pooler_output
-        embeds = pipe.text_encoder_2(t5_ids[cap], output_hidden_states=False)[0]
-        pred = transformer(hidden_states=xt, timestep=sigma, guidance=guidance, pooled_projections=pooled,
-                           encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids,
-                           return_dict=False)[0]
-        loss = F.mse_loss(pred, eps - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        loss = flow_matching_loss(transformer, x0, lambda: (
+            pipe.text_encoder(clip_ids[cap], output_hidden_states=False).pooler_output,
+            pipe.text_encoder_2(t5_ids[cap], output_hidden_states=False)[0]), text_ids, img_ids, generator)
+        optimiser_step(loss, opt, sched, params)
         for module, average in zip(modules, averages):
             average.update_parameters(module)
         if step % 100 == 0 or step == steps - 1:
