@@ -7,11 +7,13 @@ imports no torch (``tests/test_architecture.py``).
 
 import asyncio
 import base64
+import contextvars
 import dataclasses
+import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
 from deployments.config import LoraSettings, check_lora_registry, lora_registry
@@ -23,7 +25,7 @@ from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import adapter_model_id
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
 from pipeline.errors import InvalidRequestError, ServiceUnavailableError
-from pipeline.sampling import AccelerationDefaults, resolve, resolve_video
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.wire import GenerationMetadata
 
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
@@ -72,7 +74,7 @@ class Ingress:
         """A request arrived: keep the Router's lease and this process's memory trimming going.
         (Admission itself is Serve's ``max_ongoing_requests`` in front, then the Router.)"""
         if self._lease is None:
-            self._lease = asyncio.get_running_loop().create_task(self._keep_lease())
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(), context=contextvars.Context())
         self._trimmer.busy()
 
     def reconfigure(self, user_config: dict) -> None:
@@ -107,10 +109,7 @@ class Ingress:
         ``OverloadedError``, ``ServiceUnavailableError`` or ``InternalError``.
         """
         started = time.perf_counter()
-        limits = await self._serving_limits()
-        self._started()
-        validated = validate_image_request(request, limits)
-        params = resolve(validated, limits, self._defaults)
+        params = await self._image_params(request, streamed=False)
         self._waiting += 1
         try:
             out = await self._call(self._router.submit, params, self._caller)
@@ -121,6 +120,58 @@ class Ingress:
             data=[ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out.images],
             output_format=params.output_format,
             ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
+
+    async def _image_params(self, request, *, streamed: bool) -> SamplingParams:
+        """Validate and resolve an image request for ``generate`` (``streamed=False``) or
+        ``generate_stream``; a request's ``stream`` must match the method it reached."""
+        limits = await self._serving_limits()
+        self._started()
+        validated = validate_image_request(request, limits)
+        if validated.stream != streamed:
+            raise InvalidRequestError("stream: true is answered by generate_stream (HTTP: the same route), stream: "
+                                      "false by generate", param="stream", code="invalid_value")
+        return resolve(validated, limits, self._defaults)
+
+    async def generate_stream(self, request: ImageGenerationRequest | dict):
+        """OpenAI's image streaming (``stream: true``): an async generator (call it through
+        ``handle.options(stream=True)``) of event dicts: ``partial_images`` events of type
+        ``image_generation.partial_image`` (``b64_json``, ``partial_image_index``, ``size``,
+        ``output_format``, ``created_at``), then one ``image_generation.completed`` with the
+        image and the ``ditserve`` metadata. Bad input raises as ``generate`` does, before any
+        event; a failure after that is an ``error`` event carrying OpenAI's error object."""
+        started = time.perf_counter()
+        params = await self._image_params(request, streamed=True)
+        async for event in self._events(params, started):
+            yield event
+
+    async def _events(self, params: SamplingParams, started: float):
+        common = {"size": f"{params.width}x{params.height}", "output_format": params.output_format,
+                  "quality": "auto", "background": "opaque"}
+        self._waiting += 1
+        stream, finished = None, False
+        try:
+            stream = self._router.options(stream=True).submit_stream.remote(params, self._caller)
+            async for item in stream:
+                if isinstance(item, dict):
+                    preview = item["preview"]
+                    yield {"type": "image_generation.partial_image", "created_at": int(time.time()),
+                           "b64_json": base64.b64encode(preview["images"][0]).decode("ascii"),
+                           "partial_image_index": preview["partial_image_index"], **common}
+                else:
+                    meta = GenerationMetadata.of(item, total_ms=(time.perf_counter() - started) * 1e3)
+                    yield {"type": "image_generation.completed", "created_at": int(time.time()),
+                           "b64_json": base64.b64encode(item.images[0]).decode("ascii"), **common,
+                           "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                     "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
+                           "ditserve": meta.model_dump()}
+            finished = True
+        except Exception as exc:  # noqa: BLE001 - answered as OpenAI's stream error event
+            finished = True
+            yield {"type": "error", **as_ditserve_error(exc).to_envelope()}
+        finally:
+            self._waiting -= 1
+            if stream is not None and not finished:  # the client left: the Router drops the request
+                stream.cancel()
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
         """Create a video job (same contract as ``POST /v1/videos``) and return it at once.
@@ -169,8 +220,13 @@ class Ingress:
     # -- HTTP routes --------------------------------------------------------------------
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
     async def http_generate(self, request: Request):
-        body = await json_body(request, self._max_json_bytes)
-        return (await self.generate(key_default_priority(body, request))).model_dump()
+        body = key_default_priority(await json_body(request, self._max_json_bytes), request)
+        if isinstance(body, dict) and body.get("stream") is True:  # validated (and refused) before streaming
+            started = time.perf_counter()
+            events = self._events(await self._image_params(body, streamed=True), started)
+            return StreamingResponse((f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" async for e in events),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return (await self.generate(body)).model_dump()
 
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
     async def http_create_video(self, request: Request):

@@ -10,6 +10,7 @@ them; then their id answers 404.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -114,7 +115,9 @@ class VideoJobs:
         """Follow ``job``'s request, which the Router has just admitted and enqueued
         (``enqueued``: its queue entry, with ``job.on_progress`` as its progress callback), to
         its end; return the job at once (``status: queued``)."""
-        job.task = asyncio.get_running_loop().create_task(self._run(job, enqueued))
+        # a fresh context: the job outlives the request that created it (Serve cancels what a
+        # cancelled request started)
+        job.task = asyncio.get_running_loop().create_task(self._run(job, enqueued), context=contextvars.Context())
         return job.view()
 
     async def _run(self, job: Job, enqueued) -> None:

@@ -175,8 +175,9 @@ class DiTReplica:
 
     async def run_batch(self, batch: Batch):
         """Run one batch; an async generator (called through a streaming handle): yields
-        ``{"step": done, "steps": total}`` as denoising steps complete, then the list of
-        RequestOutput in batch order.
+        ``{"step": done, "steps": total}`` as denoising steps complete (and
+        ``{"preview": {...}}`` for requests that stream previews, ``BatchRunner.run``), then the
+        list of RequestOutput in batch order.
 
         Raises ``ReplicaUnavailableError`` at once, before running anything, when the replica
         is broken; what the model raises otherwise. When the caller cancels the stream, the
@@ -201,10 +202,14 @@ class DiTReplica:
             def on_step(done: int, total: int) -> None:  # called from the worker thread
                 loop.call_soon_threadsafe(steps.put_nowait, {"step": done, "steps": total})
 
+            def on_preview(event: dict) -> None:  # likewise: a streamed request's preview
+                loop.call_soon_threadsafe(steps.put_nowait, {"preview": event})
+
             if self._ranks is None:
-                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set))
+                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set,
+                                                               on_preview))
             else:
-                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set))
+                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set, on_preview))
             watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch.batch_id, stop))
             work.add_done_callback(lambda _: watchdog.cancel())
             try:

@@ -11,6 +11,7 @@ admission check (:meth:`Router._admit`) serves image requests and video jobs.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -61,6 +62,7 @@ class _Pending:
     on_progress: Callable[[int, int], None] | None = None  # (steps done, steps) while its batch runs
     requeues: int = 0  # times a replica refused its batch before running it
     caller: str | None = None  # the Ingress replica waiting for it (None: a video job, kept here)
+    on_preview: Callable[[dict], None] | None = None  # its streamed previews, while its batch runs
 
     @property
     def cost(self) -> float:
@@ -144,16 +146,19 @@ class Router:
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
 
-    def _enqueue(self, params: SamplingParams, on_progress=None, caller: str | None = None) -> _Pending:
+    def _enqueue(self, params: SamplingParams, on_progress=None, caller: str | None = None,
+                 on_preview=None) -> _Pending:
         """Put an admitted request in its signature's queue (no await: admission and queueing
         are one step of the event loop)."""
         if self._scheduler is None:
             loop = asyncio.get_running_loop()
-            self._scheduler = loop.create_task(self._schedule())
-            loop.create_task(self._expire_callers())
+            # A fresh context: the tasks outlive the request that happens to start them, and Serve
+            # cancels the calls a request made (the batches!) when that request is cancelled.
+            self._scheduler = loop.create_task(self._schedule(), context=contextvars.Context())
+            loop.create_task(self._expire_callers(), context=contextvars.Context())
         signature = BatchSignature.of(params)
         pending = _Pending(params, signature, asyncio.get_running_loop().create_future(), on_progress=on_progress,
-                           caller=caller)
+                           caller=caller, on_preview=on_preview)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
         self._metric_queue_depth.set(len(self._queues[signature]), tags={"signature": signature.digest})
@@ -195,6 +200,33 @@ class Router:
         if caller is not None:
             self._reached = self._leases[caller] = time.monotonic()  # a submit renews its lease
         return await self._wait(self._enqueue(params, caller=caller))
+
+    async def submit_stream(self, params: SamplingParams, caller: str | None = None):
+        """``submit`` for a request that streams previews: an async generator (called through
+        a streaming handle) that yields each preview as its batch makes it
+        (``{"preview": {"partial_image_index", "images"}}``), then the RequestOutput. Raises
+        as ``submit``; when the caller stops iterating, the request leaves its queue (or its
+        running batch, which stops once no request of it is wanted)."""
+        self._admit(params)
+        if caller is not None:
+            self._reached = self._leases[caller] = time.monotonic()
+        previews: asyncio.Queue = asyncio.Queue()
+        answer = asyncio.ensure_future(self._wait(self._enqueue(params, caller=caller,
+                                                                on_preview=previews.put_nowait)))
+        try:
+            while not answer.done():
+                preview = asyncio.ensure_future(previews.get())
+                await asyncio.wait({answer, preview}, return_when=asyncio.FIRST_COMPLETED)
+                if preview.done():
+                    yield {"preview": preview.result()}
+                else:
+                    preview.cancel()
+            while not previews.empty():
+                yield {"preview": previews.get_nowait()}
+            yield answer.result()
+        finally:
+            if not answer.done():
+                answer.cancel()
 
     def renew_lease(self, caller: str) -> None:
         """A caller (an Ingress replica) is alive: keep its requests."""
@@ -355,7 +387,11 @@ class Router:
             outputs = None
             stream = self._stream.run_batch.remote(batch)
             async for event in stream:
-                if isinstance(event, dict):  # {"step": done, "steps": total}
+                if isinstance(event, dict) and "preview" in event:  # a streamed request's preview
+                    target = next((p for p in pending if p.params.request_id == event["preview"]["request_id"]), None)
+                    if target is not None and target.on_preview is not None and not target.future.done():
+                        target.on_preview(event["preview"])
+                elif isinstance(event, dict):  # {"step": done, "steps": total}
                     progressed = True
                     for p in pending:
                         if p.on_progress is not None:

@@ -224,8 +224,25 @@ def conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
 
 
 @torch.no_grad()
+def preview_steps(num_steps: int, partial_images: int) -> list[int]:
+    """After which steps (1-based counts of finished steps) a request's ``partial_images``
+    previews are made: evenly spaced over the run, before the last step, each at most once
+    (short runs make fewer)."""
+    steps = {round((k + 1) * num_steps / (partial_images + 1)) for k in range(partial_images)}
+    return sorted(s for s in steps if 1 <= s < num_steps)
+
+
+def x0_prediction(scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, i: int) -> torch.Tensor:
+    """The clean sample the model predicts at step ``i`` of a flow-matching run:
+    ``x0 = x_t − σ_t · v`` for ``x_t = (1 − σ)·x0 + σ·ε`` and ``v = ε − x0`` (rectified flow,
+    arXiv 2403.03206), with σ_t from the scheduler's ``sigmas``; same shape as ``latents``."""
+    sigma = scheduler.sigmas[i].to(latents.device, latents.dtype)
+    return latents - sigma * noise_pred
+
+
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
-                  on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning) -> LoopOutput:
+                  on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
+                  on_preview=None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
@@ -234,7 +251,10 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     than 0) stops after denoising and returns no images. ``should_stop()`` is asked after each
     step; when it says so the loop raises :class:`BatchCancelled`. ``encode``: how the
     prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
-    encodes on rank 0 and broadcasts). Raises ``ValueError`` if the batch is
+    encodes on rank 0 and broadcasts). ``on_preview(request index, partial index, images)``
+    receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
+    the VAE decode of the x0-prediction of that request's rows only, at :func:`preview_steps`;
+    only where ``decode`` is on). Raises ``ValueError`` if the batch is
     empty or mixes signatures. A request whose own text fails to encode is left out (see
     ``LoopOutput.failures``); the others run exactly as they would without it.
     """
@@ -252,6 +272,12 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     guidance = family.guidance(head.embedded_guidance_scale, latents.shape[0])
 
     num_steps = len(schedule.timesteps)
+    splits = np.cumsum([0, *counts])
+    previews: dict[int, list[tuple[int, int]]] = {}  # steps done -> (kept request position, partial index)
+    if on_preview is not None and decode:
+        for j, p in enumerate(kept):
+            for k, step_count in enumerate(preview_steps(num_steps, p.partial_images)):
+                previews.setdefault(step_count, []).append((j, k))
     delta, reused, calls = None, 0, {}
     for i, t in enumerate(schedule.timesteps):
         step = plan[i]
@@ -268,6 +294,10 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             reused += 1
             if on_guide_skipped is not None:
                 on_guide_skipped(step.guide)
+        if i + 1 in previews:
+            x0 = x0_prediction(scheduler, latents, noise_pred, i)
+            for j, k in previews[i + 1]:
+                on_preview(keep[j], k, family.decode(x0[splits[j]:splits[j + 1]], head))
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if on_step is not None:
             synchronize(latents.device)  # progress is steps the GPU has finished
@@ -280,7 +310,6 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls, failures or None)
     images = family.decode(latents, head)  # returns host numpy arrays: the device has finished
     t2 = time.perf_counter()
-    splits = np.cumsum([0, *counts])
     per_request: list[np.ndarray | None] = [None] * len(batch)
     for i, a, b in zip(keep, splits[:-1], splits[1:], strict=True):
         per_request[i] = images[a:b]

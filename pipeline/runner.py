@@ -264,7 +264,7 @@ class BatchRunner:
 
         return lambda: agree_to_stop(bool(local()) if local is not None else False)
 
-    def denoise(self, batch: Batch, on_step=None, should_stop=None) -> LoopOutput:
+    def denoise(self, batch: Batch, on_step=None, should_stop=None, on_preview=None) -> LoopOutput:
         """Move the state to the batch's signature and run the loop. Images (float32,
         (n, H, W, 3) per request) only on rank 0. ``should_stop()``: this rank's wish to stop at
         a step boundary (``pipeline.loop.BatchCancelled``). Raises ``StateTransitionError`` when
@@ -275,7 +275,7 @@ class BatchRunner:
         self.prepare_state(batch.batch_id, head, schedule)
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
-                                 on_guide_skipped=self._guide_skipped, decode=self.rank == 0,
+                                 on_guide_skipped=self._guide_skipped, decode=self.rank == 0, on_preview=on_preview,
                                  should_stop=self.stop_check(should_stop),
                                  encode=conditioning if self.world_size == 1 else self._shared_conditioning)
         except BatchCancelled:
@@ -312,11 +312,20 @@ class BatchRunner:
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))
 
-    def run(self, batch: Batch, on_step=None, should_stop=None) -> list[RequestOutput]:
+    def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None) -> list[RequestOutput]:
         """``denoise`` then encode: one RequestOutput per request, in batch order (none on
-        ranks other than 0). The caller answers every request of a failed batch."""
+        ranks other than 0). ``on_preview(event)``: the streamed previews of requests with
+        ``partial_images``, each ``{"request_id", "partial_image_index", "images": [encoded]}``
+        in the request's ``output_format``. The caller answers every request of a failed batch."""
         head = batch.requests[0]
-        out = self.denoise(batch, on_step, should_stop)
+
+        def preview(index: int, partial: int, images) -> None:
+            p = batch.requests[index]
+            on_preview({"request_id": p.request_id, "partial_image_index": partial,
+                        "images": [encode_image(v, p.output_format, p.output_compression) for v in images]})
+
+        wanted = on_preview is not None and any(p.partial_images for p in batch.requests)
+        out = self.denoise(batch, on_step, should_stop, preview if wanted else None)
         if self.rank != 0:
             return []
         t0 = time.perf_counter()

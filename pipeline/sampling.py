@@ -80,6 +80,7 @@ class SamplingParams:
     boundary_ratio: float | None = None  # None: the model's own
     fps: int = 0
     lora: tuple[LoraSpec, ...] = ()
+    partial_images: int = 0  # streamed previews (decoded for this request's rows only)
 
     @property
     def guided(self) -> bool:
@@ -162,6 +163,7 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
         timeout_s=request.timeout_s,
         priority=Priority(request.priority or limits.default_image_priority),
         lora=_loras(request, limits),
+        partial_images=request.partial_images or 0,
         **_guidance(request, limits),
         **_acceleration(request, defaults),
     )

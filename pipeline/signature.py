@@ -41,6 +41,7 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "boundary_ratio": True,     # which expert runs which step
     "fps": False,               # only the MP4 container's frame rate
     "lora": True,               # the adapter set (names, scales, files): replica state
+    "partial_images": False,    # previews decode this request's rows at a few steps; the batch runs the same
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 

@@ -15,14 +15,18 @@ from pipeline.wire import GenerationMetadata
 # OpenAI's output_format values (pipeline.media.IMAGE_FORMATS encodes each; the routing
 # processes validate without importing the encoders)
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 
 
 class ImageGenerationRequest(GenerationRequest):
     """Body of ``POST /v1/images/generations`` and argument of the handle's ``generate``.
 
     ``n``: images, 1..``max_n``. ``true_cfg_scale``: FLUX's true CFG, on when > 1 and a
-    ``negative_prompt`` is given (diffusers' rule). Validate with :func:`validate_image_request`,
-    which applies the served model's limits and reports every problem at once.
+    ``negative_prompt`` is given (diffusers' rule). ``stream``: answer with OpenAI's image
+    streaming events (Server-Sent Events), ``partial_images`` (0..``MAX_PARTIAL_IMAGES``)
+    previews first, decoded from the x0-prediction at evenly spaced steps. Validate with
+    :func:`validate_image_request`, which applies the served model's limits and reports every
+    problem at once.
     """
 
     n: int = 1
@@ -30,6 +34,23 @@ class ImageGenerationRequest(GenerationRequest):
     output_format: str = "png"
     output_compression: int | None = None
     true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
+    stream: bool = False
+    partial_images: int | None = None
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partial_images(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_PARTIAL_IMAGES:
+            raise ValueError(f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _streaming(self) -> "ImageGenerationRequest":
+        if self.partial_images and not self.stream:
+            raise ValueError("partial_images: previews are sent only with stream: true")
+        if self.stream and self.n > 1:
+            raise ValueError(f"stream: a streamed request makes one image (n=1), got n={self.n}")
+        return self
 
     @field_validator("n")
     @classmethod

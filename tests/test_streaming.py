@@ -1,0 +1,103 @@
+"""OpenAI's image streaming: previews decoded from the x0-prediction, Server-Sent Events through
+real Ray Serve and the OpenAI SDK, and the handle's generate_stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from openai import BadRequestError, OpenAI
+from ray import serve
+
+from pipeline.loop import preview_steps
+from pipeline.runner import BatchRunner
+from tests.helpers import TINY_ARGS, batch_of, flux_params, pixels, post
+
+
+def test_preview_steps_are_evenly_spaced_before_the_end():
+    assert preview_steps(16, 2) == [5, 11]
+    assert preview_steps(16, 3) == [4, 8, 12]
+    assert preview_steps(2, 3) == [1]  # short runs make fewer previews
+    assert preview_steps(16, 0) == [] and preview_steps(1, 3) == []
+
+
+def test_previews_only_for_requests_that_ask_and_change_nothing_else():
+    runner = BatchRunner("tiny-flux")
+    streamed = flux_params("a red circle on a blue background", 1, steps=8, size=(64, 64), partial_images=3)
+    plain = flux_params("a green star on a white background", 2, steps=8, size=(64, 64))
+    events = []
+    outputs = runner.run(batch_of(streamed, plain), on_preview=events.append)
+    assert [(e["request_id"], e["partial_image_index"]) for e in events] == [("r1", 0), ("r1", 1), ("r1", 2)]
+    alone = runner.run(batch_of(streamed, plain))  # the same batch without anyone listening
+    for a, b in zip(outputs, alone, strict=True):
+        assert a.images == b.images
+    final = pixels(outputs[0].images[0]).astype(float)
+    errors = [np.abs(pixels(e["images"][0]) - final).mean() for e in events]
+    assert errors[-1] < errors[0]  # later previews are closer to the final image
+
+
+@pytest.fixture(scope="module")
+def url(deploy):
+    return deploy(TINY_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+BODY = {"seed": 3, "num_inference_steps": 6}
+
+
+@pytest.mark.slow
+def test_openai_sdk_iterates_the_stream(client):
+    stream = client.images.generate(prompt="a red circle on a blue background", size="64x64", stream=True,
+                                    partial_images=2, extra_body=BODY)
+    events = list(stream)
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert all(e.size == "64x64" and e.output_format == "png" for e in events)
+    meta = events[-1].model_extra["ditserve"]
+    assert meta["seed"] == 3 and meta["batch_size"] >= 1
+    plain = client.images.generate(prompt="a red circle on a blue background", size="64x64",
+                                   response_format="b64_json", extra_body=BODY)
+    final = pixels(events[-1].b64_json).astype(int)
+    assert np.abs(final - pixels(plain.data[0].b64_json)).max() <= 1  # the same image as without streaming
+
+
+@pytest.mark.slow
+def test_handle_generate_stream(url):
+    handle = serve.get_app_handle("ditserve").options(stream=True)
+    events = list(handle.generate_stream.remote({"prompt": "a green square", "size": "64x64", "stream": True,
+                                                 "partial_images": 1, **BODY}))
+    assert [e["type"] for e in events] == ["image_generation.partial_image", "image_generation.completed"]
+    assert events[-1]["ditserve"]["request_id"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields, param", [({"stream": True, "partial_images": 4}, "partial_images"),
+                                           ({"partial_images": 2}, "partial_images"),
+                                           ({"stream": True, "n": 2}, "stream"),
+                                           ({"stream": "yes"}, "stream")])
+def test_bad_streaming_fields_are_400_before_any_event(url, client, fields, param):
+    response = post(url, {"prompt": "a", **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    with pytest.raises(BadRequestError):
+        client.images.generate(prompt="a", extra_body=fields)
+
+
+@pytest.mark.slow
+def test_a_client_leaving_mid_stream_stops_its_batch(url):
+    import httpx
+
+    from tests.helpers import router_stats, wait_until
+
+    before = router_stats(url)["counters"].get("cancelled_running", 0)
+    body = {"prompt": "a long one", "size": "256x256", "num_inference_steps": 60, "stream": True,
+            "partial_images": 3, "seed": 1}
+    with httpx.stream("POST", f"{url}/v1/images/generations", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("event: image_generation.partial_image"):
+                break  # one preview seen: leave
+    wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) > before, timeout=60)
+    assert router_stats(url)["counters"]["steps_saved"] > 0
