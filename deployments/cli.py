@@ -82,20 +82,40 @@ def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: 
 SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 
+PREVIEWS = 3  # partial_images asked for by --stream-previews (OpenAI's most)
+
+
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seed: int | None = None, steps: int | None = None, extra: dict | None = None,
-                   api_key: str | None = None) -> dict:
+                   api_key: str | None = None, previews: Path | None = None, on_event=None) -> dict:
     """POST one image request with the OpenAI client, write the image to ``output`` (its
-    suffix picks ``output_format``: .png, .jpg/.jpeg, .webp); return the metadata."""
+    suffix picks ``output_format``: .png, .jpg/.jpeg, .webp); return the metadata. With
+    ``previews`` (a directory) the request is streamed (``stream``, ``partial_images`` 3): each
+    preview is written there as ``partial-<index>.<suffix>`` and ``on_event(event)`` sees every
+    streamed event as it arrives."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {"size": size} if size else {}
     output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
     if output_format != "png":
         kwargs["output_format"] = output_format
-    response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(base64.b64decode(response.data[0].b64_json))
-    return (response.model_extra or {}).get("ditserve", {})
+    if previews is None:
+        response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
+        output.write_bytes(base64.b64decode(response.data[0].b64_json))
+        return (response.model_extra or {}).get("ditserve", {})
+    previews.mkdir(parents=True, exist_ok=True)
+    meta = {}
+    for event in client.images.generate(prompt=prompt, stream=True, partial_images=PREVIEWS, extra_body=body,
+                                        **kwargs):
+        if on_event is not None:
+            on_event(event)
+        if event.type == "image_generation.partial_image":
+            name = f"partial-{event.partial_image_index}{output.suffix or '.png'}"
+            (previews / name).write_bytes(base64.b64decode(event.b64_json))
+        elif event.type == "image_generation.completed":
+            output.write_bytes(base64.b64decode(event.b64_json))
+            meta = (event.model_extra or {}).get("ditserve", {})
+    return meta
 
 
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
@@ -141,7 +161,7 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     """The one line ``ditserve generate`` / ``video`` print for a failed call (None: not a
     failure of the call, let it raise): no server at ``url`` (and how to start one), a
     timeout, or the server's error envelope (status, code, field, message)."""
-    from openai import APIConnectionError, APIStatusError, APITimeoutError
+    from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError
 
     if isinstance(exc, APITimeoutError):
         return f"error: {url} did not answer in time (the client waits 600 s); is the server overloaded?"
@@ -156,6 +176,9 @@ def failure_line(exc: BaseException, url: str) -> str | None:
             code, param, message = None, None, exc.response.text[:500]
         where = f" ({param})" if param else ""
         return f"error {exc.status_code} {code or ''}{where}: {message}".replace("  ", " ")
+    if isinstance(exc, APIError) and isinstance(exc.body, dict):  # an error event of a stream
+        where = f" ({exc.body.get('param')})" if exc.body.get("param") else ""
+        return f"error {exc.body.get('code') or ''}{where}: {exc.message}".replace("  ", " ")
     if isinstance(exc, json.JSONDecodeError):
         return f"error: --extra is not a JSON object: {exc}"
     if isinstance(exc, RuntimeError):  # a video job that failed
@@ -192,9 +215,24 @@ def _with_loras(extra: str | None, loras: list[dict] | None) -> dict | None:
 
 
 def _cmd_generate(ns) -> int:
-    meta, rc = _run_client(lambda: generate_image(
-        ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-        extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key), ns.url)
+    from tqdm import tqdm
+
+    bars = []  # a progress bar over the streamed events, drawn once the first arrives
+
+    def show(event) -> None:
+        if not bars:
+            bars.append(tqdm(total=PREVIEWS + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
+                             bar_format="{desc}: {n}/{total}|{bar}| {elapsed}", desc="previews"))
+        bars[0].update(1)
+
+    try:
+        meta, rc = _run_client(lambda: generate_image(
+            ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
+            extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
+            previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show), ns.url)
+    finally:
+        for bar in bars:
+            bar.close()
     if rc:
         return rc
     print(f"wrote {ns.output}")
@@ -266,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable), e.g. --lora magenta:0.8")
+    p.add_argument("--stream-previews", metavar="DIR",
+                   help="stream the request and save its previews (partial images) in DIR")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 

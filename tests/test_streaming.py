@@ -101,3 +101,17 @@ def test_a_client_leaving_mid_stream_stops_its_batch(url):
                 break  # one preview seen: leave
     wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) > before, timeout=60)
     assert router_stats(url)["counters"]["steps_saved"] > 0
+
+
+@pytest.mark.slow
+def test_cli_streams_and_saves_previews(url, tmp_path, capsys):
+    from PIL import Image
+
+    from deployments.cli import main
+
+    out, previews = tmp_path / "circle.png", tmp_path / "previews"
+    assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x64", "--steps", "8",
+                 "--stream-previews", str(previews)]) == 0
+    assert Image.open(out).size == (64, 64)
+    assert sorted(p.name for p in previews.iterdir()) == ["partial-0.png", "partial-1.png", "partial-2.png"]
+    assert "previews: 4/4" in capsys.readouterr().err  # the progress bar saw every event
