@@ -90,7 +90,8 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
                    api_key: str | None = None, previews: Path | None = None, on_event=None) -> dict:
     """POST one image request with the OpenAI client, write the image to ``output`` (its
     suffix picks ``output_format``: .png, .jpg/.jpeg, .webp); return the metadata. With
-    ``previews`` (a directory) the request is streamed (``stream``, ``partial_images`` 3): each
+    ``previews`` (a directory) the request is streamed (``stream``, ``partial_images`` 3 unless
+    ``extra`` gives it): each
     preview is written there as ``partial-<index>.<suffix>`` and ``on_event(event)`` sees every
     streamed event as it arrives."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
@@ -105,8 +106,8 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
         return (response.model_extra or {}).get("ditserve", {})
     previews.mkdir(parents=True, exist_ok=True)
     meta = {}
-    for event in client.images.generate(prompt=prompt, stream=True, partial_images=PREVIEWS, extra_body=body,
-                                        **kwargs):
+    body.setdefault("partial_images", PREVIEWS)  # --extra may ask for fewer
+    for event in client.images.generate(prompt=prompt, stream=True, extra_body=body, **kwargs):
         if on_event is not None:
             on_event(event)
         if event.type == "image_generation.partial_image":
@@ -221,7 +222,8 @@ def _cmd_generate(ns) -> int:
 
     def show(event) -> None:
         if not bars:
-            bars.append(tqdm(total=PREVIEWS + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
+            partial = (json.loads(ns.extra) if ns.extra else {}).get("partial_images", PREVIEWS)
+            bars.append(tqdm(total=partial + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
                              bar_format="{desc}: {n}/{total}|{bar}| {elapsed}", desc="previews"))
         bars[0].update(1)
 
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable), e.g. --lora magenta:0.8")
     p.add_argument("--stream-previews", metavar="DIR",
-                   help="stream the request and save its previews (partial images) in DIR")
+                   help="stream the request and save its previews in DIR (3 partial images; "
+                        "--extra '{\"partial_images\": N}' for N in 0..3)")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 

@@ -58,7 +58,7 @@ def test_model_names_an_adapter():
     ({"lora": [{"name": ""}]}, 400, "non-empty adapter name"),
     ({"lora": [{"name": "magenta", "scale": float("nan")}]}, 400, "lora.0.scale: must be a finite number in [-4, 4], got nan"),
     ({"lora": [{"name": "magenta", "scale": 1e300}]}, 400, "in [-4, 4]"),
-    ({"lora": [{"name": "magenta", "path": "/tmp/x"}]}, 400, "unknown key 'path'"),
+    ({"lora": [{"name": "magenta", "path": "/tmp/x"}]}, 400, "lora.0 has unknown key 'path'; allowed: name, scale"),
     ({"lora": [{"name": "magenta"}, {"name": "magenta"}]}, 400, "more than once"),
     ({"lora": [{"name": "magenta"}, {"name": "outline"}, {"name": "x"}]}, 400, "at most 2"),
     ({"model": "tiny-flux:magenta", "lora": [{"name": "magenta"}]}, 400, "model already selects"),

@@ -261,13 +261,21 @@ class GenerationRequest(BaseModel):
                              f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
 
 
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, or inside ``X | None``, ``list[X]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
+
+
 def _fields_at(model: type[BaseModel], path: tuple) -> dict | None:
-    """The fields of the (nested) model at ``path`` of ``model`` (None: not a model there)."""
+    """The fields of the (nested) model at ``path`` of ``model`` (None: not a model there);
+    list indices in ``path`` (``lora.0``) stay on the list's item model."""
     for part in path:
+        if isinstance(part, int):
+            continue
         field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        candidates = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)
-                      and issubclass(a, BaseModel)]
+        candidates = _models_in(getattr(field, "annotation", None))
         if not candidates:
             return None
         model = candidates[0]
