@@ -29,6 +29,8 @@ from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, res
 from pipeline.wire import GenerationMetadata
 
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
+# OpenAI's video content variants served -> media type (no spritesheet)
+VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
@@ -188,9 +190,14 @@ class Ingress:
         """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404)."""
         return await self._call(self._router.get_job, video_id)
 
-    async def video_content(self, video_id: str) -> bytes:
-        """The finished job's MP4. Raises ``NotFoundError`` or ``InvalidRequestError`` (not completed)."""
-        return await self._call(self._router.job_content, video_id)
+    async def video_content(self, video_id: str, variant: str = "video") -> bytes:
+        """The finished job's MP4 (``variant`` ``video``) or its thumbnail, the first frame as WebP
+        (``thumbnail``, OpenAI's variant name). Raises ``NotFoundError``, or
+        ``InvalidRequestError`` (not completed, or another variant)."""
+        if variant not in VIDEO_VARIANTS:
+            raise InvalidRequestError(f"variant must be one of {', '.join(VIDEO_VARIANTS)} (the assets served), got "
+                                      f"{variant[:40]!r}", param="variant", code="invalid_value")
+        return await self._call(self._router.job_content, video_id, variant)
 
     async def delete_video(self, video_id: str) -> dict:
         """Delete (and cancel) a job. Raises ``NotFoundError``."""
@@ -244,10 +251,8 @@ class Ingress:
 
     @api.get("/v1/videos/{video_id}/content")
     async def http_video_content(self, video_id: str, variant: str = "video"):
-        if variant != "video":
-            raise InvalidRequestError(f"variant must be 'video' (the only asset served), got {variant[:40]!r}",
-                                      param="variant")
-        return Response(await self.video_content(video_id), media_type="video/mp4")
+        content = await self.video_content(video_id, variant)
+        return Response(content, media_type=VIDEO_VARIANTS[variant])
 
     @api.delete("/v1/videos/{video_id}")
     async def http_delete_video(self, video_id: str):

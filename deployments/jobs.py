@@ -139,14 +139,15 @@ class VideoJobs:
         """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""
         return self.store.get(job_id).view()
 
-    def content(self, job_id: str) -> bytes:
-        """The finished job's MP4 bytes. Raises ``NotFoundError`` (404), or
+    def content(self, job_id: str, variant: str = "video") -> bytes:
+        """The finished job's MP4 bytes (``variant`` ``video``) or its thumbnail, the first
+        frame as WebP (``thumbnail``). Raises ``NotFoundError`` (404), or
         ``InvalidRequestError`` (400) while the job is not completed."""
         job = self.store.get(job_id)
         if job.status != JobStatus.COMPLETED:
             raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
                                       param="video_id", code="video_not_ready")
-        return job.output.videos[0]
+        return job.output.images[0] if variant == "thumbnail" else job.output.videos[0]
 
     def delete(self, job_id: str) -> dict:
         """Forget a job; a queued or running one is cancelled (it leaves its queue; a batch

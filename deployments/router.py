@@ -463,8 +463,8 @@ class Router:
     def get_job(self, job_id: str) -> VideoJob:
         return self._jobs.get(job_id)
 
-    def job_content(self, job_id: str) -> bytes:
-        return self._jobs.content(job_id)
+    def job_content(self, job_id: str, variant: str = "video") -> bytes:
+        return self._jobs.content(job_id, variant)
 
     def delete_job(self, job_id: str) -> dict:
         return self._jobs.delete(job_id)

@@ -46,6 +46,7 @@ def configure_compile(device: torch.device) -> None:
     cache_dit.set_compile_configs(descent_tuning=device.type == "cuda")
 
 
+THUMBNAIL_FORMAT = "webp"  # a video's first frame (OpenAI's content variant "thumbnail")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVENTS_KEPT = 256  # state actions remembered for audits (the newest)
 
@@ -334,6 +335,9 @@ class BatchRunner:
                  [encode_mp4(v, head.fps) if video else encode_image(v, p.output_format, p.output_compression)
                   for v in samples]
                  for p, samples in zip(batch.requests, out.images, strict=True)]
+        thumbnails = [None if samples is None or not video else [encode_image(v[0], THUMBNAIL_FORMAT, 90)
+                                                                 for v in samples]
+                      for samples in out.images]
         encode_ms = (time.perf_counter() - t0) * 1e3
         acceleration = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
@@ -348,8 +352,8 @@ class BatchRunner:
                     code="unprocessable_text", request_id=p.request_id)
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             else:
-                outputs.append(RequestOutput(p.request_id, p.seed, [] if video else items, dict(timings), acceleration,
-                                             videos=items if video else []))
+                outputs.append(RequestOutput(p.request_id, p.seed, thumbnails[i] if video else items, dict(timings),
+                                             acceleration, videos=items if video else []))
         return outputs
 
     def _report(self, head: SamplingParams, out: LoopOutput) -> AccelerationReport:

@@ -177,7 +177,8 @@ class BatchReport(Report):
 class RequestOutput:
     """One request's answer from a replica.
 
-    ``images``: encoded images (PNG), ``n`` of them; ``videos``: encoded videos (MP4).
+    ``images``: encoded images (PNG), ``n`` of them; for a video request, its thumbnail (the
+    first frame, WebP); ``videos``: encoded videos (MP4).
     ``timings_ms``: ``denoise`` and ``decode`` (the replica's, ms); the Router adds ``queue``.
     ``batch``: filled in by the replica. ``error``: set (and no media) when this request alone
     failed inside its batch, e.g. text its tokenizer could not take; the others ran.

@@ -68,6 +68,17 @@ def test_openai_client_creates_polls_and_downloads_an_mp4(url):
     frames, fps = decode_mp4(data)
     assert frames.shape == (9, 48, 64, 3) and fps == 8  # 1 s at 8 fps -> 4·round(8/4) + 1 frames
     assert job.seconds == "1.125" and job.size == "64x48"
+    # OpenAI's thumbnail variant: the first frame (both encodings are lossy: compared loosely)
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    thumbnail = Image.open(io.BytesIO(client.videos.download_content(job.id, variant="thumbnail").read()))
+    assert thumbnail.format == "WEBP" and thumbnail.size == (64, 48)
+    assert np.abs(np.asarray(thumbnail.convert("RGB"), dtype=float) - frames[0]).mean() < 8
+    refused = httpx.get(f"{url}/v1/videos/{job.id}/content", params={"variant": "spritesheet"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "variant"
 
 
 def test_json_request_with_num_frames_and_same_seed_same_video(url):
