@@ -85,8 +85,11 @@ def check_lora_registry(loras: dict[str, LoraSettings]) -> dict[str, LoraSetting
 
 
 def lora_registry(loras: dict) -> dict[str, LoraEntry]:
-    """``model.loras`` (settings or plain dicts) as name -> ``LoraEntry`` with resolved paths."""
-    settings = {name: LoraSettings.model_validate(v) if isinstance(v, dict) else v for name, v in loras.items()}
+    """``model.loras`` (settings or plain dicts, as in a ``user_config``) as name -> ``LoraEntry``
+    with resolved paths, after :func:`check_lora_registry`. Raises ``ValueError`` (pydantic's
+    for a malformed entry) naming the adapter."""
+    settings = check_lora_registry({name: LoraSettings.model_validate(v) if isinstance(v, dict) else v
+                                    for name, v in loras.items()})
     return {name: LoraEntry(s.path if s.path is not None else str(EMBEDDED_LORA_DIR / name), s.default_scale)
             for name, s in settings.items()}
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
-from deployments.config import LoraSettings, check_lora_registry, lora_registry
+from deployments.config import lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
@@ -88,8 +88,7 @@ class Ingress:
         if "acceleration" in user_config:
             self._defaults = AccelerationDefaults.from_config(user_config["acceleration"] or {})
         if "loras" in user_config:  # the same checks as model.loras (a bad registry fails the update)
-            loras = {name: LoraSettings.model_validate(v) for name, v in (user_config["loras"] or {}).items()}
-            self._loras = lora_registry(check_lora_registry(loras))
+            self._loras = lora_registry(user_config["loras"] or {})
             if self._limits is not None:
                 self._limits = dataclasses.replace(self._limits, loras=self._loras)
 

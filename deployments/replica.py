@@ -109,10 +109,9 @@ class DiTReplica:
         (``model.loras``). Adapters new to this replica are checked against the model now (after
         the running batch, which may be changing the model's adapter layers), so a bad one fails
         the config update, not a request. Raises ``ValueError`` naming it."""
-        from deployments.config import LoraSettings, check_lora_registry, lora_registry
+        from deployments.config import lora_registry
 
         loras = (user_config or {}).get("loras") or {}
-        check_lora_registry({name: LoraSettings.model_validate(v) for name, v in loras.items()})
         known = lora_registry(self._loras)
         new = [(n, e.path) for n, e in lora_registry(loras).items() if n not in known or known[n].path != e.path]
         if new:

@@ -196,10 +196,15 @@ class Router:
         ``RequestTimeoutError`` when ``params.timeout_s`` passes first, ``InternalError`` if
         its batch fails.
         """
+        return await self._wait(self._accept(params, caller))
+
+    def _accept(self, params: SamplingParams, caller: str | None, on_preview=None) -> _Pending:
+        """Admit and enqueue a caller's request (``submit``, ``submit_stream``); the submit
+        renews the caller's lease."""
         self._admit(params)
         if caller is not None:
-            self._reached = self._leases[caller] = time.monotonic()  # a submit renews its lease
-        return await self._wait(self._enqueue(params, caller=caller))
+            self._reached = self._leases[caller] = time.monotonic()
+        return self._enqueue(params, caller=caller, on_preview=on_preview)
 
     async def submit_stream(self, params: SamplingParams, caller: str | None = None):
         """``submit`` for a request that streams previews: an async generator (called through
@@ -207,12 +212,8 @@ class Router:
         (``{"preview": {"partial_image_index", "images"}}``), then the RequestOutput. Raises
         as ``submit``; when the caller stops iterating, the request leaves its queue (or its
         running batch, which stops once no request of it is wanted)."""
-        self._admit(params)
-        if caller is not None:
-            self._reached = self._leases[caller] = time.monotonic()
         previews: asyncio.Queue = asyncio.Queue()
-        answer = asyncio.ensure_future(self._wait(self._enqueue(params, caller=caller,
-                                                                on_preview=previews.put_nowait)))
+        answer = asyncio.ensure_future(self._wait(self._accept(params, caller, previews.put_nowait)))
         try:
             while not answer.done():
                 preview = asyncio.ensure_future(previews.get())

@@ -145,7 +145,7 @@ class LoraAdapters:
             state_dict = lora_state_dict(self.pipe, path)
         except Exception as exc:  # noqa: BLE001 - any reading failure is the adapter's problem
             raise ValueError(f"model.loras.{name}: cannot read {path}: {type(exc).__name__}: {exc}") from None
-        problems = adapter_problems(self.transformer, state_dict) + self._compile_problems(state_dict)
+        problems = self._problems(state_dict)
         if problems:
             raise ValueError(f"model.loras.{name} ({path}) does not fit the model: " + "; ".join(problems))
 
@@ -175,6 +175,11 @@ class LoraAdapters:
                                          adapter_name=slot)
         self.transformer.set_adapters(self.slots, [1.0] * len(self.slots))
         prepare_model_for_compiled_hotswap(self.transformer, target_rank=max_rank)  # scalings become tensors
+
+    def _problems(self, state_dict) -> list[str]:
+        """Why an adapter's state dict cannot apply here: the model's layers and shapes, and
+        under torch.compile the hot-swap slots."""
+        return adapter_problems(self.transformer, state_dict) + self._compile_problems(state_dict)
 
     def _compile_problems(self, state_dict) -> list[str]:
         """Why an adapter cannot be swapped into this compiled transformer (none when eager)."""
@@ -215,7 +220,7 @@ class LoraAdapters:
         try:
             if self.compiled:
                 loaded = lora_file(self.pipe, spec.path)
-                problems = adapter_problems(self.transformer, loaded[0]) + self._compile_problems(loaded[0])
+                problems = self._problems(loaded[0])
                 if problems:
                     raise ValueError("; ".join(problems))
                 self.loaded[spec.name] = (spec.path, loaded)

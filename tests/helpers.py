@@ -55,6 +55,13 @@ def batch_of(*params: SamplingParams, batch_id: str = "b") -> Batch:
     return Batch(batch_id, BatchSignature.of(params[0]), tuple(params))
 
 
+def openai_client(url: str):
+    """The OpenAI client the HTTP tests use against ``url`` (no retries, 120 s timeout)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def pixels(png: bytes | str) -> np.ndarray:
     """A PNG (bytes or base64 text) as an (H, W, 3) int16 array, for differences."""
     data = base64.b64decode(png) if isinstance(png, str) else png

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from openai import BadRequestError, NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError
 from PIL import Image
 
-from tests.helpers import TINY_ARGS
+from tests.helpers import TINY_ARGS, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def url(deploy):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 def png_of(response) -> bytes:

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import NotFoundError
 from ray import serve
 
 from compat.ray_serve import deploy_config
 from deployments.config import EMBEDDED_LORA_DIR
-from tests.helpers import pixels, post, wait_until
+from tests.helpers import openai_client, pixels, post, wait_until
 from tests.helpers import router_stats as stats
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def url(deploy, lora_args):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 def _image(client, lora=None, model=None, seed=1, prompt="a red circle on a blue background"):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 from ray import serve
 
 from pipeline.loop import preview_steps
 from pipeline.runner import BatchRunner
-from tests.helpers import TINY_ARGS, batch_of, flux_params, pixels, post
+from tests.helpers import TINY_ARGS, batch_of, flux_params, openai_client, pixels, post
 
 
 def test_preview_steps_are_evenly_spaced_before_the_end():
@@ -42,7 +42,7 @@ def url(deploy):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 BODY = {"seed": 3, "num_inference_steps": 6}
