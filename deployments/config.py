@@ -118,6 +118,11 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_json_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     max_loras: int = Field(default=4, ge=1, le=16)  # LoRA adapters one request may name
+    # Image inputs (edits, image-to-video): image-to-image's strength when a request gives none
+    # (FluxImg2ImgPipeline's default), and the most pixels an uploaded image may declare
+    # (None: max_pixels); larger uploads are refused before they are decoded (image bombs).
+    default_strength: float = Field(default=0.6, gt=0, le=1)
+    max_input_pixels: int | None = Field(default=None, ge=1)
     # The priority of a request that gives none, per route (deployments.scheduling).
     default_image_priority: Literal["interactive", "batch"] = "interactive"
     default_video_priority: Literal["interactive", "batch"] = "interactive"

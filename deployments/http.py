@@ -158,14 +158,17 @@ async def json_body(request: Request, max_json_bytes: int):
     return parse_json(await read_body(request, max_json_bytes))
 
 
-async def json_or_form_body(request: Request, max_json_bytes: int, max_body_bytes: int) -> dict:
+async def json_or_form_body(request: Request, max_json_bytes: int, max_body_bytes: int,
+                            files: tuple[str, ...] = (), json: bool = True) -> dict:
     """A body sent as JSON or as a form (multipart or url-encoded, how OpenAI's SDK sends
-    ``videos.create``), as a JSON-like dict; forms go through :func:`form_to_body`."""
+    ``videos.create`` and ``images.edit``), as a JSON-like dict; forms go through
+    :func:`form_to_body`, uploads of the fields named in ``files`` become bytes (a list for
+    ``name[]``). ``json=False``: forms only (415 for JSON)."""
     kind = media_type(request)
-    if kind == JSON_TYPE:
+    if kind == JSON_TYPE and json:
         return parse_json(await read_body(request, max_json_bytes))
     if kind not in FORM_TYPES:
-        raise _unsupported(request, (JSON_TYPE, *FORM_TYPES))
+        raise _unsupported(request, (JSON_TYPE, *FORM_TYPES) if json else FORM_TYPES[:1])
     raw = await read_body(request, max_body_bytes)
 
     async def replay():
@@ -176,15 +179,23 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
     except Exception as exc:  # Starlette's multipart / url-encoded parse errors
         raise InvalidRequestError(f"request body is not a valid form: {str(getattr(exc, 'detail', exc))[:200]}",
                                   param="body", code="invalid_form") from None
-    return form_to_body(list(form.multi_items()))
+    items = []
+    for key, value in form.multi_items():
+        if not isinstance(value, str) and key.removesuffix("[]") in files:
+            value = await value.read()  # an upload (already inside the capped body)
+        items.append((key, value))
+    return form_to_body(items, files)
 
 
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 _FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds"}
 
 
-def form_to_body(items: list[tuple[str, object]]) -> dict:
+def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -> dict:
     """Form fields → a JSON body.
+
+    Uploads (bytes) are accepted for the fields named in ``files`` only; elsewhere a file is a
+    400 naming the field.
 
     Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
     objects and a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``);
@@ -199,9 +210,16 @@ def form_to_body(items: list[tuple[str, object]]) -> dict:
         path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
         if "" in path[:-1]:
             raise InvalidRequestError(f"malformed form field name {key[:40]!r} ([] only at the end)", param=path[0])
-        if not isinstance(value, str):
-            raise InvalidRequestError(f"{path[0]}: file uploads are not supported", param=path[0])
-        if path[0] not in _FORM_TEXT_FIELDS:
+        if isinstance(value, bytes) and path[0] in files and len(path) <= 2 and path[1:] in ([], [""]):
+            pass  # an upload where one is expected
+        elif not isinstance(value, str):
+            accepted = f" (uploads go in {', '.join(files)})" if files else ""
+            raise InvalidRequestError(f"{path[0]}: a file upload is not accepted in this field{accepted}",
+                                      param=path[0], code="invalid_value")
+        elif path[0] in files:
+            raise InvalidRequestError(f"{path[0]}: expected an uploaded file, got a text field", param=path[0],
+                                      code="invalid_value")
+        elif path[0] not in _FORM_TEXT_FIELDS:
             try:
                 value = json.loads(value)
             except (ValueError, RecursionError):

@@ -20,17 +20,26 @@ from deployments.config import lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
+from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import adapter_model_id
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
 from pipeline.errors import InvalidRequestError, ServiceUnavailableError
-from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.wire import GenerationMetadata
 
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
 # OpenAI's video content variants served -> media type (no spritesheet)
 VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
+EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
+VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
+
+def sse(events) -> StreamingResponse:
+    """OpenAI's image streaming events as Server-Sent Events (``event:`` type, ``data:`` JSON)."""
+    return StreamingResponse((f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" async for e in events),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
@@ -40,8 +49,9 @@ install_error_handlers(api)
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
-    """HTTP routes and the handle API (``generate``; ``submit_video``, ``video_status``,
-    ``video_content``, ``delete_video``; ``models``, ``stats``) of one application."""
+    """HTTP routes and the handle API (``generate``, ``generate_stream``, ``edit``,
+    ``edit_stream``; ``submit_video``, ``video_status``, ``video_content``, ``delete_video``;
+    ``models``, ``stats``) of one application."""
 
     def __init__(self, router, config: dict):
         self._router = router
@@ -110,7 +120,24 @@ class Ingress:
         ``OverloadedError``, ``ServiceUnavailableError`` or ``InternalError``.
         """
         started = time.perf_counter()
-        params = await self._image_params(request, streamed=False)
+        return await self._answer(await self._image_params(request, streamed=False), started)
+
+    async def edit(self, request: ImageEditRequest | dict) -> ImageGenerationResponse:
+        """Edit images for one request (same contract as ``POST /v1/images/edits``; ``image``
+        and ``mask`` as file bytes): image-to-image, inpainting with a ``mask``, or reference
+        editing on a FLUX.1 Kontext model. Raises as ``generate`` does; a bad upload is an
+        ``InvalidRequestError`` naming ``image`` or ``mask``."""
+        started = time.perf_counter()
+        return await self._answer(await self._image_params(request, streamed=False, edit=True), started)
+
+    async def edit_stream(self, request: ImageEditRequest | dict):
+        """``edit`` with OpenAI's image streaming events (``stream: true``), as ``generate_stream``."""
+        started = time.perf_counter()
+        params = await self._image_params(request, streamed=True, edit=True)
+        async for event in self._events(params, started):
+            yield event
+
+    async def _answer(self, params: SamplingParams, started: float) -> ImageGenerationResponse:
         self._waiting += 1
         try:
             out = await self._call(self._router.submit, params, self._caller)
@@ -122,15 +149,19 @@ class Ingress:
             output_format=params.output_format,
             ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
 
-    async def _image_params(self, request, *, streamed: bool) -> SamplingParams:
-        """Validate and resolve an image request for ``generate`` (``streamed=False``) or
-        ``generate_stream``; a request's ``stream`` must match the method it reached."""
+    async def _image_params(self, request, *, streamed: bool, edit: bool = False) -> SamplingParams:
+        """Validate and resolve an image request for ``generate`` / ``edit`` (``streamed=False``)
+        or their ``_stream`` methods; a request's ``stream`` must match the method it reached.
+        An edit's uploads are decoded off the event loop (Pillow)."""
         limits = await self._serving_limits()
         self._started()
-        validated = validate_image_request(request, limits)
+        validated = (validate_edit_request if edit else validate_image_request)(request, limits)
         if validated.stream != streamed:
-            raise InvalidRequestError("stream: true is answered by generate_stream (HTTP: the same route), stream: "
-                                      "false by generate", param="stream", code="invalid_value")
+            method = "edit" if edit else "generate"
+            raise InvalidRequestError(f"stream: true is answered by {method}_stream (HTTP: the same route), stream: "
+                                      f"false by {method}", param="stream", code="invalid_value")
+        if edit:
+            return await asyncio.to_thread(resolve_edit, validated, limits, self._defaults)
         return resolve(validated, limits, self._defaults)
 
     async def generate_stream(self, request: ImageGenerationRequest | dict):
@@ -181,7 +212,11 @@ class Ingress:
         ``OverloadedError`` or ``ServiceUnavailableError``.
         """
         limits = await self._serving_limits()
-        params = resolve_video(validate_video_request(request, limits), limits, self._defaults)
+        validated = validate_video_request(request, limits)
+        if validated.input_reference is not None:  # decoded off the event loop (Pillow)
+            params = await asyncio.to_thread(resolve_video, validated, limits, self._defaults)
+        else:
+            params = resolve_video(validated, limits, self._defaults)
         self._started()
         return await self._call(self._router.create_job, params)
 
@@ -229,14 +264,22 @@ class Ingress:
         body = key_default_priority(await json_body(request, self._max_json_bytes), request)
         if isinstance(body, dict) and body.get("stream") is True:  # validated (and refused) before streaming
             started = time.perf_counter()
-            events = self._events(await self._image_params(body, streamed=True), started)
-            return StreamingResponse((f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" async for e in events),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return sse(self._events(await self._image_params(body, streamed=True), started))
         return (await self.generate(body)).model_dump()
+
+    @api.post("/v1/images/edits", openapi_extra=request_body(ImageEditRequest, forms=True))
+    async def http_edit(self, request: Request):
+        body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=EDIT_FILES,
+                                       json=False)
+        body = key_default_priority(body, request)
+        if body.get("stream") is True:  # validated (and refused) before streaming
+            started = time.perf_counter()
+            return sse(self._events(await self._image_params(body, streamed=True, edit=True), started))
+        return (await self.edit(body)).model_dump()
 
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
     async def http_create_video(self, request: Request):
-        body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes)
+        body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
         return (await self.submit_video(key_default_priority(body, request))).model_dump()
 
     @api.get("/v1/videos")

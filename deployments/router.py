@@ -33,6 +33,7 @@ from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urge
 from pipeline.contract.videos import VideoJob
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
                              RequestTimeoutError)
+from pipeline.modes import InputMode
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, ModelFacts, RequestOutput
@@ -66,8 +67,10 @@ class _Pending:
 
     @property
     def cost(self) -> float:
+        """Pixels the batch's forwards see for this request (reference images join the sequence)."""
         p = self.params
-        return float(p.width * p.height * p.num_frames * p.n)
+        references = p.num_input_images if p.input_mode == InputMode.REFERENCE else 0
+        return float(p.width * p.height * p.num_frames * p.n * (1 + references))
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
@@ -382,7 +385,7 @@ class Router:
         for p in pending:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
             if p.on_progress is not None:  # dispatched: in progress from here on
-                p.on_progress(0, p.params.num_inference_steps)
+                p.on_progress(0, p.params.effective_steps)
         progressed = False
         try:
             outputs = None

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import BatchCancelled
-from pipeline.modes import DualMode
+from pipeline.modes import DualMode, InputMode
 from pipeline.sampling import SamplingParams
 
 PRIMARY, SECONDARY = "transformer", "transformer_2"
@@ -150,7 +150,8 @@ class BatchSchedule:
 
 
 def plan_batch(family, head: SamplingParams) -> BatchSchedule:
-    """The schedule of a batch whose requests share ``head``'s signature."""
+    """The schedule of a batch whose requests share ``head``'s signature (image-to-image with
+    ``strength`` < 1: only the steps that run, ``head.effective_steps``)."""
     scheduler, timesteps = family.scheduler_and_timesteps(head.num_inference_steps, head)
     plan = step_plan(timesteps, head, family.dual_mode, family.boundary_ratio, scheduler.config.num_train_timesteps)
     return BatchSchedule(scheduler, timesteps, plan, gate_step(head, len(plan)))
@@ -223,6 +224,18 @@ def conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
     return keep, cond.select(index), None if uncond is None else uncond.select(index), failures
 
 
+def initial_latents(family, kept: list[SamplingParams], schedule: BatchSchedule):
+    """``family.prepare_latents`` for the requests ``kept`` (one generator per request, seeded
+    with its ``seed``): ``(latents, positions)``. Image inputs also get the requests (their
+    images) and the schedule (the timestep they are noised to)."""
+    head = kept[0]
+    generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in kept]
+    counts = [p.n for p in kept]
+    if head.input_mode == InputMode.TEXT:
+        return family.prepare_latents(generators, counts, head)
+    return family.prepare_latents(generators, counts, head, requests=kept, schedule=schedule)
+
+
 @torch.no_grad()
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
     """After which steps (1-based counts of finished steps) a request's ``partial_images``
@@ -242,7 +255,7 @@ def x0_prediction(scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, i:
 
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
-                  on_preview=None) -> LoopOutput:
+                  on_preview=None, prepare=initial_latents) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
@@ -251,7 +264,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     than 0) stops after denoising and returns no images. ``should_stop()`` is asked after each
     step; when it says so the loop raises :class:`BatchCancelled`. ``encode``: how the
     prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
-    encodes on rank 0 and broadcasts). ``on_preview(request index, partial index, images)``
+    encodes on rank 0 and broadcasts); ``prepare``: how the initial latents are made
+    (:func:`initial_latents`; likewise). ``on_preview(request index, partial index, images)``
     receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
     the VAE decode of the x0-prediction of that request's rows only, at :func:`preview_steps`;
     only where ``decode`` is on). Raises ``ValueError`` if the batch is
@@ -267,8 +281,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         return LoopOutput([None] * len(batch), (time.perf_counter() - t0) * 1e3, 0.0, 0, failures=failures)
     kept = [batch[i] for i in keep]
     counts = [p.n for p in kept]
-    generators = [torch.Generator(device="cpu").manual_seed(p.seed) for p in kept]
-    latents, positions = family.prepare_latents(generators, counts, head)
+    latents, positions = prepare(family, kept, schedule)
     guidance = family.guidance(head.embedded_guidance_scale, latents.shape[0])
 
     num_steps = len(schedule.timesteps)
@@ -299,6 +312,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             for j, k in previews[i + 1]:
                 on_preview(keep[j], k, family.decode(x0[splits[j]:splits[j + 1]], head))
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        latents = family.after_step(latents, positions, i, scheduler, schedule.timesteps)
         if on_step is not None:
             synchronize(latents.device)  # progress is steps the GPU has finished
             on_step(i + 1, num_steps)

@@ -57,3 +57,21 @@ class Priority(StrEnum):
 
     INTERACTIVE = "interactive"
     BATCH = "batch"
+
+
+class InputMode(StrEnum):
+    """What a request starts from, besides its prompt (in the batch signature).
+
+    ``TEXT``: noise only. ``IMAGE_TO_IMAGE``: an input image noised to ``strength``'s timestep
+    (``FluxImg2ImgPipeline``). ``INPAINT``: an image and a mask; the unmasked region is blended
+    back at each step (``FluxInpaintPipeline``). ``REFERENCE``: the image's latent tokens join
+    the sequence with their own position ids (FLUX.1 Kontext, ``FluxKontextPipeline``).
+    ``IMAGE_TO_VIDEO``: the image conditions a video's first latent frame (Wan 2.2 latent
+    conditioning, ``WanImageToVideoPipeline`` with ``expand_timesteps``).
+    """
+
+    TEXT = "text"
+    IMAGE_TO_IMAGE = "image_to_image"
+    INPAINT = "inpaint"
+    REFERENCE = "reference"
+    IMAGE_TO_VIDEO = "image_to_video"

@@ -21,8 +21,9 @@ from pipeline.errors import BatchCancelled, InvalidRequestError, LoraLoadError, 
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
-from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, plan_batch
+from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, initial_latents, plan_batch
 from pipeline.media import encode_image, encode_mp4
+from pipeline.modes import InputMode
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
@@ -135,7 +136,8 @@ class BatchRunner:
             text_tokens=self.family.max_sequence_length, guidance_style=self.family.guidance_style,
             dual_mode=self.family.dual_mode, temporal_factor=self.family.temporal_factor,
             boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
-            scm_preset_steps=preset_step_counts(max_steps))
+            scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
+            max_input_images=self.family.max_input_images)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's
@@ -193,7 +195,7 @@ class BatchRunner:
             self.compiles += 1
         else:
             try:
-                executor, steps = self.cache[name], head.num_inference_steps
+                executor, steps = self.cache[name], len(schedule.timesteps)  # the steps that run (strength)
                 if kind == ActionKind.UNMOUNT:
                     executor.unmount()
                 elif kind == ActionKind.REFRESH:
@@ -278,7 +280,8 @@ class BatchRunner:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped, decode=self.rank == 0, on_preview=on_preview,
                                  should_stop=self.stop_check(should_stop),
-                                 encode=conditioning if self.world_size == 1 else self._shared_conditioning)
+                                 encode=conditioning if self.world_size == 1 else self._shared_conditioning,
+                                 prepare=initial_latents if self.world_size == 1 else self._shared_latents)
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception:
@@ -309,6 +312,30 @@ class BatchRunner:
         device = self.family.device
         return (keep, None if cond is None else cond.to(device), None if uncond is None else uncond.to(device),
                 {i: (field, None) for i, field in fields.items()})
+
+    def _shared_latents(self, family, kept, schedule):
+        """``pipeline.loop.initial_latents`` on a sequence-parallel replica. Noise alone is drawn
+        on every rank (same seeds, same values); image inputs need the VAE, which only rank 0
+        has, so rank 0 prepares them and broadcasts the latents and conditioning (on the host).
+        A failure on rank 0 reaches every rank as :class:`SharedFailure`."""
+        from parallel.groups import broadcast_object
+
+        if kept[0].input_mode == InputMode.TEXT:
+            return initial_latents(family, kept, schedule)
+        if self.rank == 0:
+            try:
+                latents, positions = initial_latents(family, kept, schedule)
+            except Exception as exc:
+                broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+                raise SharedFailure(f"preparing the batch's input images failed: {type(exc).__name__}: {exc}") from exc
+            broadcast_object(("ok", latents.to("cpu"), None if positions is None else positions.to("cpu")))
+            return latents, positions
+        payload = broadcast_object(None)
+        if payload[0] == "error":
+            raise SharedFailure(f"preparing the batch's input images failed on rank 0: {payload[1]}")
+        _, latents, positions = payload
+        device = self.family.device
+        return latents.to(device), None if positions is None else positions.to(device)
 
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 from dataclasses import dataclass
 
 from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
+    edit_mode, effective_steps
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.limits import ServingLimits, parse_size
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.modes import GuidanceMode, Priority
+from pipeline.errors import InvalidRequestError
+from pipeline.modes import GuidanceMode, InputMode, Priority
+from pipeline.wire import ImageArray
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,10 @@ class SamplingParams:
     ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
     defaults), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
-    name (empty: the base model).
+    name (empty: the base model). Image inputs: ``input_mode`` (:class:`InputMode`),
+    ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the
+    ``num_inference_steps`` run), ``num_input_images``; ``images`` (RGB at ``width`` ×
+    ``height``) and ``mask`` (its alpha) are per request, like the prompt.
     """
 
     request_id: str
@@ -81,6 +89,16 @@ class SamplingParams:
     fps: int = 0
     lora: tuple[LoraSpec, ...] = ()
     partial_images: int = 0  # streamed previews (decoded for this request's rows only)
+    input_mode: InputMode = InputMode.TEXT
+    strength: float | None = None
+    num_input_images: int = 0
+    images: tuple[ImageArray, ...] = ()
+    mask: ImageArray | None = None
+
+    @property
+    def effective_steps(self) -> int:
+        """Denoising steps that run: ``num_inference_steps``, fewer with ``strength`` < 1."""
+        return effective_steps(self.num_inference_steps, self.strength)
 
     @property
     def guided(self) -> bool:
@@ -169,12 +187,45 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
     )
 
 
+def check_split(width: int, height: int, limits: ServingLimits, field: str, frames: int = 1) -> None:
+    """Sequence parallelism splits a sample's latent tokens evenly across the ranks; raises
+    ``InvalidRequestError`` naming ``field`` for a size that cannot be split."""
+    f = limits.spatial_factor
+    tokens = frames * (width // f) * (height // f)
+    if limits.world_size > 1 and tokens % limits.world_size:
+        raise InvalidRequestError(f"{field}: the output size {width}x{height} gives {tokens} latent tokens, which "
+                                  f"cannot be split evenly across the replica's {limits.world_size} "
+                                  "sequence-parallel ranks; give a size that can", param=field, code="invalid_value")
+
+
+def resolve_edit(request: ImageEditRequest, limits: ServingLimits,
+                 defaults: AccelerationDefaults = AccelerationDefaults(),
+                 request_id: str | None = None) -> SamplingParams:
+    """Apply server defaults to a validated edit and decode its uploads (Pillow, in the Ingress).
+    Raises ``InvalidRequestError`` naming ``image`` or ``mask`` for an upload that fails."""
+    mode = edit_mode(request, limits)
+    width, height, images, mask = decode_edit_inputs(request, limits)
+    check_split(width, height, limits, "size" if request.size else "image")
+    base = resolve(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
+    strength = request.strength if request.strength is not None else default_strength(mode, limits)
+    return dataclasses.replace(base, input_mode=mode, strength=strength, num_input_images=len(images),
+                               images=images, mask=mask)
+
+
 def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
                   defaults: AccelerationDefaults = AccelerationDefaults(),
                   request_id: str | None = None) -> SamplingParams:
-    """Apply server defaults to a validated video request (one video per request)."""
+    """Apply server defaults to a validated video request (one video per request); an
+    ``input_reference`` is decoded here (image-to-video). Raises ``InvalidRequestError``
+    naming ``input_reference`` for an upload that fails."""
     width, height = _size(request, limits)
+    reference = ()
+    if request.input_reference is not None:
+        reference = (decode_reference(request.input_reference, width, height, limits, "input_reference"),)
     return SamplingParams(
+        input_mode=InputMode.IMAGE_TO_VIDEO if reference else InputMode.TEXT,
+        num_input_images=len(reference),
+        images=reference,
         request_id=request_id or f"video_{uuid.uuid4().hex[:24]}",
         model=limits.model_name,
         prompt=request.prompt,

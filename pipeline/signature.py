@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 
-from pipeline.modes import GuidanceMode
+from pipeline.modes import GuidanceMode, InputMode
 from pipeline.sampling import SamplingParams
 
 # SamplingParams field -> is it part of the signature?
@@ -42,6 +42,11 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "fps": False,               # only the MP4 container's frame rate
     "lora": True,               # the adapter set (names, scales, files): replica state
     "partial_images": False,    # previews decode this request's rows at a few steps; the batch runs the same
+    "input_mode": True,         # text, image-to-image, inpainting, reference, image-to-video: what each step runs
+    "strength": True,           # which timesteps run (and so Cache-DiT's step count)
+    "num_input_images": True,   # reference tokens in the sequence
+    "images": False,            # per request, like the prompt
+    "mask": False,              # per request; whether there is one is the input_mode
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 
@@ -85,6 +90,9 @@ class BatchSignature:
             guidance.append(f"boundary_ratio={d['boundary_ratio']}")
         cache = "off" if not d["enable_cache_dit"] else f"on{d['cache_dit_params'].describe()}"
         lora = "".join(f" lora={s.name}:{s.scale:g}" for s in d["lora"])
+        if d["input_mode"] != InputMode.TEXT:
+            strength = "" if d["strength"] is None else f" strength={d['strength']:g}"
+            lora += f" {d['input_mode']}{strength}"
         return (f"{d['model']}{lora} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
                 f"{' '.join(guidance)} cache_dit={cache} cfg_gate_step={d['cfg_gate_fraction']} "
                 f"attn={d['attention_backend'] or 'default'} [{self.digest}]")

@@ -15,12 +15,35 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, model_serializer
 
 from pipeline.contract.limits import ServingLimits, parse_size
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 if TYPE_CHECKING:  # annotations only: the request models import this module's metadata types
     from pipeline.errors import DitServeError
     from pipeline.sampling import SamplingParams
     from pipeline.signature import BatchSignature
+
+
+@dataclass(frozen=True)
+class ImageArray:
+    """A decoded input image, ready for tensors: ``pixels`` holds uint8 values row-major as
+    (height, width, channels); ``channels`` 3 (RGB) for images, 1 for masks (OpenAI's alpha:
+    0 marks the region to repaint). Decoded, checked and resized in the Ingress
+    (``pipeline.contract.uploads``), so replicas never see an undecoded upload."""
+
+    width: int
+    height: int
+    channels: int
+    pixels: bytes = field(repr=False)
+
+    def __post_init__(self):
+        if len(self.pixels) != self.width * self.height * self.channels:
+            raise ValueError(f"ImageArray: {len(self.pixels)} bytes for {self.width}x{self.height}x{self.channels}")
+
+    def array(self):
+        """The pixels as a read-only numpy array (height, width, channels) uint8."""
+        import numpy as np
+
+        return np.frombuffer(self.pixels, dtype=np.uint8).reshape(self.height, self.width, self.channels)
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,8 @@ class ModelFacts:
     cannot run here. ``text_tokens``: the text encoder's padded length. ``temporal_factor``:
     0 for an image model. ``special_tokens``: the tokenizers' special strings.
     ``scm_preset_steps``: preset -> step counts cache-dit's mask builder accepts.
+    ``input_modes``: the :class:`InputMode` values beyond text the checkpoint serves;
+    ``max_input_images``: images one request may give.
     """
 
     family: str
@@ -66,6 +91,8 @@ class ModelFacts:
     boundary_ratio: float | None = None
     special_tokens: tuple[str, ...] = ()
     scm_preset_steps: dict = field(default_factory=dict)
+    input_modes: tuple[InputMode, ...] = ()
+    max_input_images: int = 1
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -85,7 +112,9 @@ class ModelFacts:
             max_timeout_s=limits.get("max_timeout_s", 3600.0),
             default_image_priority=limits.get("default_image_priority", "interactive"),
             default_video_priority=limits.get("default_video_priority", "interactive"),
-            loras=dict(loras or {}), max_loras=limits.get("max_loras", 4))
+            loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
+            max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
+            max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"])
 
 
 class Report(BaseModel):

@@ -118,7 +118,8 @@ def test_signature_table_covers_every_field():
     assert [f.name for f in dataclasses.fields(SamplingParams)] == list(SIGNATURE_TABLE)
     expected_in = {"model", "width", "height", "num_frames", "num_inference_steps", "guidance_mode", "cfg_scale",
                    "embedded_guidance_scale", "enable_cache_dit", "cache_dit_params", "cfg_gate_fraction",
-                   "attention_backend", "cfg_scale_2", "boundary_ratio", "lora"}
+                   "attention_backend", "cfg_scale_2", "boundary_ratio", "lora", "input_mode", "strength",
+                   "num_input_images"}
     assert {k for k, v in SIGNATURE_TABLE.items() if v} == expected_in
 
 

@@ -10,7 +10,7 @@ is the first offending top-level field and whose message names each field by its
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -76,10 +76,39 @@ def one_of(field: str, value, allowed: tuple[str, ...]):
     return value
 
 
+def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> list[str]:
+    """What in ``cache_dit_params`` does not fit a run of ``steps`` denoising steps (warmup and
+    continuous-cache bounds, SCM bins and presets): one message per problem."""
+    problems: list[str] = []
+    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
+        for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
+            value = getattr(knobs, knob, None) if knobs is not None else None
+            if value is not None and value > steps:
+                problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
+    if params.scm_compute_bins is not None:
+        for name in ("scm_compute_bins", "scm_cache_bins"):
+            if len(getattr(params, name)) > steps:
+                problems.append(f"cache_dit_params.{name} has {len(getattr(params, name))} bins; at most "
+                                f"num_inference_steps ({steps})")
+        covered = sum(params.scm_compute_bins) + sum(params.scm_cache_bins)
+        if covered < steps:
+            problems.append(f"cache_dit_params: scm_compute_bins + scm_cache_bins cover {covered} steps, "
+                            f"fewer than num_inference_steps={steps}")
+    preset = params.scm_preset
+    valid = limits.scm_preset_steps.get(preset) if preset not in (None, "none") else None
+    if valid is not None and steps not in valid:
+        problems.append(f"cache_dit_params.scm_preset {preset!r} needs num_inference_steps in "
+                        f"{_ranges(valid)} (cache-dit's masks), got {steps}")
+    return problems
+
+
 class GenerationRequest(BaseModel):
     """Fields and checks shared by image and video requests (see ``images`` and ``videos``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # Requests whose run is shorter than num_inference_steps (strength) check the step-dependent
+    # Cache-DiT knobs after validation, against the steps that actually run.
+    steps_follow_strength: ClassVar[bool] = False
 
     prompt: str
     model: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
@@ -225,26 +254,8 @@ class GenerationRequest(BaseModel):
                 if used > limits.num_blocks and (name == "transformer" or params.secondary is not None):
                     problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
                                     f"model's {limits.num_blocks} transformer blocks")
-        steps = info.data.get("num_inference_steps") or limits.default_steps
-        for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-            for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
-                value = getattr(knobs, knob, None) if knobs is not None else None
-                if value is not None and value > steps:
-                    problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
-        if params.scm_compute_bins is not None:
-            for name in ("scm_compute_bins", "scm_cache_bins"):
-                if len(getattr(params, name)) > steps:
-                    problems.append(f"cache_dit_params.{name} has {len(getattr(params, name))} bins; at most "
-                                    f"num_inference_steps ({steps})")
-            covered = sum(params.scm_compute_bins) + sum(params.scm_cache_bins)
-            if covered < steps:
-                problems.append(f"cache_dit_params: scm_compute_bins + scm_cache_bins cover {covered} steps, "
-                                f"fewer than num_inference_steps={steps}")
-        preset = params.scm_preset
-        valid = limits.scm_preset_steps.get(preset) if preset not in (None, "none") else None
-        if valid is not None and steps not in valid:
-            problems.append(f"cache_dit_params.scm_preset {preset!r} needs num_inference_steps in "
-                            f"{_ranges(valid)} (cache-dit's masks), got {steps}")
+        if not cls.steps_follow_strength:  # else checked once strength is known (pipeline.contract.edits)
+            problems += step_problems(params, limits, info.data.get("num_inference_steps") or limits.default_steps)
         if problems:
             raise ValueError("; ".join(problems))
         return params

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from pipeline.contract.text import shown
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII digits only, no spaces
 # Guidance scales above this only saturate the image; the bound keeps every scale far inside float32.
@@ -30,7 +30,10 @@ class ServingLimits:
     ``default_image_priority`` / ``default_video_priority``: the ``priority`` of a request
     that gives none, per route (``interactive`` or ``batch``). ``loras``: the registered LoRA
     adapters by name (``pipeline.contract.lora.LoraEntry``); ``max_loras``: the most a request
-    may name.
+    may name. ``input_modes``: what the model serves beyond text (``InputMode``);
+    ``max_input_images``: images one request may give; ``default_strength``: image-to-image's
+    ``strength`` when a request gives none (inpainting's is 1.0: the masked region is repainted).
+    ``max_input_pixels``: the most pixels an uploaded image may declare (checked before decoding).
     """
 
     model_name: str
@@ -61,6 +64,10 @@ class ServingLimits:
     default_video_priority: str = "interactive"
     loras: dict = field(default_factory=dict)
     max_loras: int = 4
+    input_modes: tuple[InputMode, ...] = ()
+    max_input_images: int = 1
+    default_strength: float = 0.6
+    max_input_pixels: int = 1024 * 1024
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of,
 from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
-from pipeline.modes import DualMode, StrEnum
+from pipeline.modes import DualMode, InputMode, StrEnum
 from pipeline.wire import AccelerationReport
 
 MAX_SECONDS = 3600  # a bound before frames are computed; limits.max_frames is the real cap
@@ -26,6 +26,9 @@ class VideoGenerationRequest(GenerationRequest):
     second of the MP4. ``guidance_scale_2`` (guidance of the low-noise expert) and
     ``boundary_ratio`` (in [0, 1], the fraction of ``num_train_timesteps`` below which the
     second expert runs) apply to boundary-expert models (Wan 2.2 A14B) only.
+    ``input_reference``: an image file (bytes: PNG, JPEG or WebP; OpenAI's multipart field) that
+    becomes the first frame (image-to-video, on models that serve it: Wan 2.2-style latent
+    conditioning); it is scaled to cover ``size`` and centre-cropped.
     """
 
     seconds: float | str | None = None
@@ -33,6 +36,16 @@ class VideoGenerationRequest(GenerationRequest):
     fps: int | None = None
     guidance_scale_2: float | None = Field(default=None, allow_inf_nan=False)
     boundary_ratio: float | None = Field(default=None, allow_inf_nan=False)
+    input_reference: bytes | None = Field(default=None, repr=False)
+
+    @field_validator("input_reference")
+    @classmethod
+    def _input_reference(cls, v: bytes | None, info: ValidationInfo) -> bytes | None:
+        limits = limits_of(info)
+        if v is not None and limits and InputMode.IMAGE_TO_VIDEO not in limits.input_modes:
+            raise ValueError(f"input_reference: model {limits.model_name!r} does not serve image-to-video "
+                             "(a WanImageToVideoPipeline checkpoint does)")
+        return v
 
     @field_validator("seconds")
     @classmethod

@@ -13,6 +13,7 @@ from pathlib import Path
 # name -> "module:class"
 REGISTRY: dict[str, str] = {
     "flux": "pipeline.families.flux:FluxFamily",
+    "flux-kontext": "pipeline.families.flux:FluxKontextFamily",
     "wan": "pipeline.families.wan:WanFamily",
 }
 

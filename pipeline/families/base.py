@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
 @runtime_checkable
@@ -49,6 +49,8 @@ class ModelFamily(Protocol):
     guidance_embeds: bool                   # takes an embedded (distilled) guidance scale
     boundary_ratio: float | None            # boundary experts: the model's default ratio
     max_sequence_length: int                # text tokens per prompt (L)
+    input_modes: tuple[InputMode, ...]      # what the checkpoint serves beyond text (image inputs)
+    max_input_images: int                   # images one request may give
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",
@@ -95,13 +97,22 @@ class ModelFamily(Protocol):
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Encode B prompts (one per sample) with the family's text encoder(s), padded to L."""
 
-    def prepare_latents(self, generators: list[torch.Generator], counts: list[int],
-                        params) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Initial noise: generator ``i`` draws ``counts[i]`` samples (one generator per
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
+                        schedule=None) -> tuple[torch.Tensor, Any]:
+        """Initial latents: generator ``i`` draws ``counts[i]`` samples (one generator per
         request, as diffusers draws them), at ``params.width`` × ``params.height`` pixels and
         ``params.num_frames`` frames. Returns ``(latents, positions)``: latents with a leading
         B = sum(counts) in the layout ``predict`` takes, positions the family's position ids
-        (or None)."""
+        (or None). With image inputs (``params.input_mode`` not ``TEXT``): ``requests`` are the
+        batch's requests in generator order (their ``images`` / ``mask``), ``schedule`` the
+        batch's ``pipeline.loop.BatchSchedule`` (the timestep to noise to); ``positions`` then
+        also carry the image conditioning (opaque to the loop; has ``.to(device)``)."""
+
+    def after_step(self, latents: torch.Tensor, positions: Any, step_index: int, scheduler,
+                   timesteps: torch.Tensor) -> torch.Tensor:
+        """Latents after the scheduler's step ``step_index``, as the mode wants them: inpainting
+        blends the re-noised unmasked region back, image-to-video its conditioned first frame
+        after the last step; otherwise ``latents`` unchanged."""
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params) -> tuple[Any, torch.Tensor]:
         """A fresh scheduler for one batch of ``params``' size and its timesteps
@@ -128,6 +139,32 @@ class ModelFamily(Protocol):
 
 
 COMPONENTS = ("all", "denoiser")
+
+
+def pixel_tensor(images, device, dtype) -> torch.Tensor:
+    """:class:`pipeline.wire.ImageArray` RGB images → (B, 3, H, W) in [-1, 1], as diffusers'
+    ``VaeImageProcessor.preprocess`` makes them from PIL images (``/255``, then ``2x − 1``)."""
+    pixels = np.stack([np.asarray(image.array(), dtype=np.float32) / 255.0 for image in images])
+    return (2.0 * torch.from_numpy(pixels).permute(0, 3, 1, 2) - 1.0).to(device=device, dtype=dtype)
+
+
+def repaint_mask(mask, device, dtype) -> torch.Tensor:
+    """An OpenAI mask (its alpha, :class:`pipeline.wire.ImageArray` 1 channel) → diffusers' mask
+    (1, 1, H, W): 1 where the image is repainted (alpha 0), 0 where it is kept, binarised at
+    0.5 as ``VaeImageProcessor(do_binarize=True)`` does."""
+    repaint = (255.0 - np.asarray(mask.array(), dtype=np.float32)) / 255.0
+    return (torch.from_numpy(repaint).permute(2, 0, 1)[None] >= 0.5).to(device=device, dtype=dtype)
+
+
+def strength_timesteps(scheduler, timesteps: torch.Tensor, num_inference_steps: int, strength: float | None):
+    """The timesteps an image-to-image run of ``strength`` takes, with the scheduler started
+    there (diffusers' ``get_timesteps`` of ``FluxImg2ImgPipeline``); all of them without strength."""
+    if strength is None:
+        return timesteps
+    init = min(num_inference_steps * strength, num_inference_steps)
+    t_start = int(max(num_inference_steps - init, 0)) * scheduler.order
+    scheduler.set_begin_index(t_start)
+    return scheduler.timesteps[t_start:]
 
 
 def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, components: str = "all",

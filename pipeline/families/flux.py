@@ -1,7 +1,12 @@
 """FLUX.1 family: CLIP + T5 prompt encoding, packed 2×2 latents, one transformer step, VAE decode.
 
 Mirrors diffusers' ``FluxPipeline`` (same helpers, same order of random draws) so our loop
-reproduces its output exactly; the loop itself lives in ``pipeline.loop``.
+reproduces its output exactly; the loop itself lives in ``pipeline.loop``. Image inputs
+mirror ``FluxImg2ImgPipeline`` (the image's VAE sample noised to ``strength``'s first
+timestep), ``FluxInpaintPipeline`` (plus the unmasked region blended back after every step)
+and, for FLUX.1 Kontext checkpoints (:class:`FluxKontextFamily`), ``FluxKontextPipeline``
+(the image's latent tokens appended to the sequence with position ids whose first
+coordinate is 1).
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, pixel_tensor, repaint_mask,
+                                    strength_timesteps, tokenizer_special_tokens, vae_config)
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
 @dataclass
@@ -35,15 +41,39 @@ class FluxConditioning:
         return FluxConditioning(self.prompt_embeds.to(device), self.pooled.to(device), self.text_ids.to(device))
 
 
+@dataclass
+class FluxImageInputs:
+    """Position ids and image conditioning of B samples (what ``predict`` and ``after_step``
+    take as ``positions`` for image inputs).
+
+    img_ids: (S [+ S_ref], 3) rotary ids, the reference tokens' after the sample's. reference:
+    (B, S_ref, 4·C) packed reference latents (Kontext) or None. image_latents, noise, mask:
+    (B, S, 4·C) packed, for inpainting (None otherwise): the image's latents, the initial noise
+    and 1 where the image is repainted.
+    """
+
+    img_ids: torch.Tensor
+    reference: torch.Tensor | None = None
+    image_latents: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def to(self, device) -> "FluxImageInputs":
+        move = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        return FluxImageInputs(**move)
+
+
 class FluxFamily:
     """Adapter over a loaded ``diffusers.FluxPipeline`` (its modules, scheduler config, helpers).
 
     ``vae_scale_factor``: pixels per latent pixel, from the VAE's config (also when the VAE is
-    not loaded: ``components="denoiser"``).
+    not loaded: ``components="denoiser"``). Serves text-to-image, image-to-image and inpainting.
     """
 
     family = "flux"
     pipeline_classes = ("FluxPipeline",)
+    input_modes = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT)
+    max_input_images = 1
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
@@ -61,9 +91,10 @@ class FluxFamily:
     @classmethod
     def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
                         vae_slicing: bool = False) -> "FluxFamily":
-        from diffusers import AutoencoderKL, FluxPipeline
+        import diffusers
+        from diffusers import AutoencoderKL
 
-        pipe = load_pipeline(FluxPipeline, path, torch_dtype=torch_dtype, device=device, components=components,
+        pipe = load_pipeline(getattr(diffusers, cls.pipeline_classes[0]), path, torch_dtype=torch_dtype, device=device, components=components,
                              encoders=("text_encoder", "text_encoder_2", "vae"), vae_slicing=vae_slicing)
         # as FluxPipeline computes it from a loaded VAE
         factor = 2 ** (len(vae_config(pipe, path, AutoencoderKL)["block_out_channels"]) - 1)
@@ -120,12 +151,15 @@ class FluxFamily:
             max_sequence_length=self.max_sequence_length)
         return FluxConditioning(prompt_embeds, pooled, text_ids)
 
-    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params):
-        """Initial noise, one generator per request drawing that request's ``count`` samples,
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
+                        schedule=None):
+        """Initial latents, one generator per request drawing that request's ``count`` samples,
         at ``params.width`` × ``params.height`` pixels.
 
         Returns latents: (B, (h/2)·(w/2), 4·C) packed, dtype of the transformer, with
-        B = sum(counts) and h, w the latent size; and img_ids: ((h/2)·(w/2), 3).
+        B = sum(counts) and h, w the latent size; and img_ids: ((h/2)·(w/2), 3) for text, or
+        :class:`FluxImageInputs` for image inputs (``requests``' images; ``schedule``'s first
+        timestep for image-to-image and inpainting).
         """
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -133,16 +167,67 @@ class FluxFamily:
         channels = self.transformer.config.in_channels // 4
         h = 2 * (int(height) // (self.vae_scale_factor * 2))
         w = 2 * (int(width) // (self.vae_scale_factor * 2))
-        noise = [randn_tensor((count, channels, h, w), generator=g, device=self.device, dtype=self.dtype)
-                 for g, count in zip(generators, counts, strict=True)]
-        latents = torch.cat(noise)
-        latents = compat.flux_pack_latents(latents, latents.shape[0], channels, h, w)
-        img_ids = compat.flux_latent_image_ids(latents.shape[0], h // 2, w // 2, self.device, self.dtype)
-        return latents, img_ids
+        mode = params.input_mode
+        noise, image_latents, masks, references = [], [], [], []
+        for i, (g, count) in enumerate(zip(generators, counts, strict=True)):
+            if mode in (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT):  # the VAE sample draws before the noise
+                image_latents.append(self._encode_image(requests[i].images[0], g).expand(count, -1, -1, -1))
+            elif mode == InputMode.REFERENCE:
+                references.append(self._encode_image(requests[i].images[0], None).expand(count, -1, -1, -1))
+            noise.append(randn_tensor((count, channels, h, w), generator=g, device=self.device, dtype=self.dtype))
+            if mode == InputMode.INPAINT:
+                mask = torch.nn.functional.interpolate(repaint_mask(requests[i].mask, self.device, self.dtype),
+                                                       size=(h, w))
+                masks.append(mask.expand(count, channels, -1, -1))
+        noise = torch.cat(noise)
+        batch = noise.shape[0]
+        img_ids = compat.flux_latent_image_ids(batch, h // 2, w // 2, self.device, self.dtype)
+        if mode == InputMode.TEXT:
+            return compat.flux_pack_latents(noise, batch, channels, h, w), img_ids
+        if mode == InputMode.REFERENCE:
+            reference = torch.cat(references)
+            ref_ids = compat.flux_latent_image_ids(batch, reference.shape[2] // 2, reference.shape[3] // 2,
+                                                   self.device, self.dtype)
+            ref_ids[..., 0] = 1  # FluxKontextPipeline: the reference's ids differ from the sample's in coordinate 0
+            packed = compat.flux_pack_latents(reference, batch, channels, reference.shape[2], reference.shape[3])
+            return (compat.flux_pack_latents(noise, batch, channels, h, w),
+                    FluxImageInputs(torch.cat([img_ids, ref_ids]), reference=packed))
+        if mode not in self.input_modes:
+            raise ValueError(f"{type(self).__name__} does not serve {mode}")
+        image = torch.cat(image_latents)
+        start = schedule.timesteps[:1].repeat(batch)
+        latents = schedule.scheduler.scale_noise(image, start, noise)
+        pack = lambda x: compat.flux_pack_latents(x, batch, channels, h, w)  # noqa: E731
+        if mode == InputMode.IMAGE_TO_IMAGE:
+            return pack(latents), FluxImageInputs(img_ids)
+        return pack(latents), FluxImageInputs(img_ids, image_latents=pack(image), noise=pack(noise),
+                                              mask=pack(torch.cat(masks)))
+
+    def _encode_image(self, image, generator: torch.Generator | None) -> torch.Tensor:
+        """One RGB image → its scaled VAE latents (1, C, h, w): a sample drawn from ``generator``
+        (image-to-image, inpainting), or the distribution's mode when ``generator`` is None
+        (Kontext's ``sample_mode="argmax"``)."""
+        vae = self.pipe.vae
+        pixels = pixel_tensor([image], self.device, self.dtype)
+        dist = vae.encode(pixels.to(vae.dtype)).latent_dist
+        latents = dist.mode() if generator is None else dist.sample(generator)
+        return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).to(self.dtype)
+
+    def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
+        """Inpainting (``FluxInpaintPipeline``): the unmasked region takes the image's latents
+        re-noised to the next timestep (the image itself after the last step)."""
+        if not isinstance(positions, FluxImageInputs) or positions.mask is None:
+            return latents
+        image = positions.image_latents
+        if step_index < len(timesteps) - 1:
+            image = scheduler.scale_noise(image, torch.tensor([timesteps[step_index + 1]]), positions.noise)
+        return (1 - positions.mask) * image + positions.mask * latents
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler for this batch and its timesteps (FLUX sigmas and
-        shift ``mu`` from the image's packed sequence length, as ``FluxPipeline``)."""
+        shift ``mu`` from the image's packed sequence length, as ``FluxPipeline``); with
+        ``params.strength`` only the last ``params.effective_steps`` of them, the scheduler
+        started there (``FluxImg2ImgPipeline.get_timesteps``)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
         image_seq_len = self.sequence_lengths(params.width, params.height)["image tokens"]
@@ -155,7 +240,7 @@ class FluxFamily:
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
-        return scheduler, timesteps
+        return scheduler, strength_timesteps(scheduler, timesteps, num_inference_steps, params.strength)
 
     def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
         """FLUX.1-dev's distilled guidance input: (B,) float32, or None without guidance embedding."""
@@ -167,13 +252,21 @@ class FluxFamily:
     def predict(self, latents, t, cond: FluxConditioning, guidance, positions, *, model: str = "transformer",
                 branch: str = "cond"):
         """One transformer call: latents (B, S, 4·C) → velocity (B, S, 4·C). ``model`` is
-        always ``"transformer"`` (FLUX.1 has one); ``positions`` are the img_ids."""
+        always ``"transformer"`` (FLUX.1 has one); ``positions`` are the img_ids or
+        :class:`FluxImageInputs` (Kontext: the reference tokens join the sequence, and only the
+        sample's S tokens of the output are kept)."""
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        img_ids, hidden, reference = positions, latents, None
+        if isinstance(positions, FluxImageInputs):
+            img_ids, reference = positions.img_ids, positions.reference
+        if reference is not None:
+            hidden = torch.cat([latents, reference.to(latents.dtype)], dim=1)
         with self.transformer.cache_context(branch):
-            return self.transformer(
-                hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+            out = self.transformer(
+                hidden_states=hidden, timestep=timestep / 1000, guidance=guidance,
                 pooled_projections=cond.pooled, encoder_hidden_states=cond.prompt_embeds,
-                txt_ids=cond.text_ids, img_ids=positions, joint_attention_kwargs={}, return_dict=False)[0]
+                txt_ids=cond.text_ids, img_ids=img_ids, joint_attention_kwargs={}, return_dict=False)[0]
+        return out if reference is None else out[:, :latents.shape[1]]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params) -> np.ndarray:
@@ -183,3 +276,12 @@ class FluxFamily:
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="np")
+
+
+class FluxKontextFamily(FluxFamily):
+    """FLUX.1 Kontext checkpoints (``FluxKontextPipeline``): reference editing, the reference
+    image's latent tokens concatenated to the sequence; text-to-image without an image."""
+
+    family = "flux-kontext"
+    pipeline_classes = ("FluxKontextPipeline",)
+    input_modes = (InputMode.REFERENCE,)

@@ -4,7 +4,10 @@
 Mirrors diffusers' ``WanPipeline`` (same helpers, same order of random draws, float32
 latents, the scheduler stepping in float32) so our loop reproduces its output exactly; the
 loop itself, including the boundary-expert and paired-per-step modes, lives in
-``pipeline.loop``.
+``pipeline.loop``. Image-to-video follows ``WanImageToVideoPipeline`` with
+``expand_timesteps`` (Wan 2.2 TI2V's latent conditioning): the image's VAE latents replace
+the first latent frame of the model's input at every step, whose tokens get timestep 0, and
+of the final latents.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, pixel_tensor,
+                                    tokenizer_special_tokens, vae_config)
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
 @dataclass
@@ -35,6 +39,19 @@ class WanConditioning:
         return WanConditioning(self.prompt_embeds.to(device))
 
 
+@dataclass
+class WanImageInputs:
+    """Image-to-video conditioning of B samples: ``condition`` (B, z_dim, 1, h, w) float32, the
+    normalised VAE latents of the first frame; ``mask`` (1, 1, T, h, w) float32, 0 on the first
+    latent frame and 1 elsewhere (``WanImageToVideoPipeline``'s ``first_frame_mask``)."""
+
+    condition: torch.Tensor
+    mask: torch.Tensor
+
+    def to(self, device) -> "WanImageInputs":
+        return WanImageInputs(self.condition.to(device), self.mask.to(device))
+
+
 class WanFamily:
     """Adapter over a loaded ``diffusers.WanPipeline``.
 
@@ -48,11 +65,14 @@ class WanFamily:
     """
 
     family = "wan"
-    pipeline_classes = ("WanPipeline",)
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     guidance_embeds = False
+    max_input_images = 1
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe
+        # WanImageToVideoPipeline with expand_timesteps (Wan 2.2 TI2V): image-to-video by latent conditioning
+        self.input_modes = (InputMode.IMAGE_TO_VIDEO,) if pipe.config.get("expand_timesteps") else ()
         self.vae_scale_factor_spatial = int(vae["scale_factor_spatial"])
         self.vae_scale_factor_temporal = int(vae["scale_factor_temporal"])
         self.transformer = pipe.transformer
@@ -76,12 +96,22 @@ class WanFamily:
     @classmethod
     def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
                         vae_slicing: bool = False, dual_transformer: str | None = None) -> "WanFamily":
-        from diffusers import AutoencoderKLWan, WanPipeline
+        import diffusers
+        from diffusers import AutoencoderKLWan
 
         sidecar = Path(path) / "ditserve.json"
         if dual_transformer is None and sidecar.exists():
             dual_transformer = json.loads(sidecar.read_text()).get("dual_transformer")
-        pipe = load_pipeline(WanPipeline, path, torch_dtype=torch_dtype, device=device, components=components,
+        index = Path(path) / "model_index.json"
+        class_name = json.loads(index.read_text())["_class_name"] if index.exists() else "WanPipeline"
+        if class_name == "WanImageToVideoPipeline":
+            config = json.loads(index.read_text())
+            if not config.get("expand_timesteps") or (config.get("image_encoder") or [None])[0] is not None:
+                raise ValueError("Wan 2.1-style image-to-video (CLIP image encoder, channel-concatenated "
+                                 "condition) is not served; Wan 2.2-style latent conditioning (expand_timesteps, "
+                                 "no image encoder) is")
+        pipe = load_pipeline(getattr(diffusers, class_name if class_name in cls.pipeline_classes else "WanPipeline"),
+                             path, torch_dtype=torch_dtype, device=device, components=components,
                              encoders=("text_encoder", "vae"), vae_cls=AutoencoderKLWan, vae_dtype=torch.float32,
                              vae_slicing=vae_slicing)
         return cls(pipe, vae_config(pipe, path, AutoencoderKLWan), dual_transformer)
@@ -144,16 +174,44 @@ class WanFamily:
         embeds = compat.wan_prompt_embeds(self.pipe, prompts, self.max_sequence_length, self.device)
         return WanConditioning(embeds.to(self.dtype))
 
-    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params):
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
+                        schedule=None):
         """Initial noise (B, z_dim, latent frames, height/8, width/8) float32, one generator
-        per request drawing that request's ``count`` samples; Wan needs no position ids."""
+        per request drawing that request's ``count`` samples; Wan needs no position ids, so
+        ``positions`` is None, or :class:`WanImageInputs` for image-to-video (``requests``'
+        first images, encoded after the noise is drawn, as ``WanImageToVideoPipeline``)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (self.transformer.config.in_channels, self.latent_frames(params.num_frames),
                  params.height // self.vae_scale_factor_spatial, params.width // self.vae_scale_factor_spatial)
         noise = [randn_tensor((count, *shape), generator=g, device=self.device, dtype=torch.float32)
                  for g, count in zip(generators, counts, strict=True)]
-        return torch.cat(noise), None
+        if params.input_mode == InputMode.TEXT:
+            return torch.cat(noise), None
+        if params.input_mode not in self.input_modes:
+            raise ValueError(f"this Wan checkpoint does not serve {params.input_mode}")
+        condition = torch.cat([self._encode_first_frame(p.images[0]).expand(count, -1, -1, -1, -1)
+                               for p, count in zip(requests, counts, strict=True)])
+        mask = torch.ones(1, 1, *shape[1:], dtype=torch.float32, device=self.device)
+        mask[:, :, 0] = 0
+        return torch.cat(noise), WanImageInputs(condition, mask)
+
+    @torch.no_grad()
+    def _encode_first_frame(self, image) -> torch.Tensor:
+        """One RGB image → its normalised VAE latents as one latent frame (1, z_dim, 1, h, w)
+        float32 (the distribution's mode: ``sample_mode="argmax"``)."""
+        vae = self.pipe.vae
+        pixels = pixel_tensor([image], self.device, torch.float32).unsqueeze(2)
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode().to(torch.float32)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        return (latents - mean) * inv_std
+
+    def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
+        """Image-to-video: after the last step the first latent frame is the image's."""
+        if not isinstance(positions, WanImageInputs) or step_index < len(timesteps) - 1:
+            return latents
+        return (1 - positions.mask) * positions.condition + positions.mask * latents
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params=None):
         """A fresh copy of the checkpoint's scheduler (UniPC flow prediction for Wan) and its timesteps."""
@@ -168,12 +226,20 @@ class WanFamily:
     @torch.no_grad()
     def predict(self, latents, t, cond: WanConditioning, guidance, positions, *, model: str = "transformer",
                 branch: str = "cond"):
-        """One call of transformer ``model``: latents (B, C, T, h, w) → flow (B, C, T, h, w)."""
+        """One call of transformer ``model``: latents (B, C, T, h, w) → flow (B, C, T, h, w).
+        Image-to-video (``positions`` a :class:`WanImageInputs`): the first latent frame is the
+        image's and its tokens get timestep 0 (a (B, S) timestep, Wan 2.2 TI2V)."""
         transformer = self.transformers[model]
+        timestep = t.expand(latents.shape[0])
+        if isinstance(positions, WanImageInputs):
+            mask = positions.mask
+            latents = (1 - mask) * positions.condition + mask * latents
+            _, p_h, p_w = transformer.config.patch_size
+            timestep = (mask[0][0][:, ::p_h, ::p_w] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
         x = latents.to(self.dtype)
         with transformer.cache_context(branch):
-            return transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
-                               encoder_hidden_states=cond.prompt_embeds, return_dict=False)[0]
+            return transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+                               return_dict=False)[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params) -> np.ndarray:

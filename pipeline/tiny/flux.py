@@ -10,6 +10,7 @@ The trained ``tiny-flux`` (``pipeline/tiny/weights``) has the default architectu
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +136,18 @@ def ensure_tiny_flux(root: Path | None = None, arch: TinyFluxArch = TinyFluxArch
     if (target / "model_index.json").exists():
         return target
     return save_atomically(build_tiny_flux_pipeline(arch), target)
+
+
+def ensure_tiny_flux_kontext(source: Path, root: Path | None = None) -> Path:
+    """A FLUX.1 Kontext-style checkpoint: the weights at ``source`` (a FLUX.1 diffusers
+    directory) saved as a ``FluxKontextPipeline`` (same components; Kontext differs only in how
+    the pipeline feeds the reference image), built on first use. The tiny weights were not
+    trained on reference edits: the checkpoint exercises the mechanics, not edit quality."""
+    from diffusers import FluxKontextPipeline
+
+    stamp = hashlib.sha1((source / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()).hexdigest()
+    target = (root or cache_root()) / "models" / f"{TINY_FLUX}-kontext-{stamp[:12]}"
+    if (target / "model_index.json").exists():
+        return target
+    pipe = FluxKontextPipeline.from_pretrained(str(source))
+    return save_atomically(pipe, target)

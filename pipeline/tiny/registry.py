@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux
+from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux, ensure_tiny_flux_kontext
 from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
 
 TINY_FLUX_RANDOM = "tiny-flux-random"
@@ -46,6 +46,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "tiny-wan-moe": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(dual="boundary"))),
     # two transformers at every step (the second one guides)
     "tiny-wan-paired": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(dual="paired"))),
+    # Wan 2.2 TI2V-style image-to-video (WanImageToVideoPipeline, expand_timesteps)
+    "tiny-wan-i2v": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(i2v=True))),
+    # FLUX.1 Kontext-style reference editing: the trained tiny-flux weights as a FluxKontextPipeline
+    "tiny-flux-kontext": EmbeddedModel("flux-kontext", lambda: ensure_tiny_flux_kontext(trained_tiny_flux())),
 }
 
 

@@ -14,6 +14,7 @@ from pipeline.tiny.tokenizers import t5_config, t5_tokenizer
 TINY_WAN = "tiny-wan"              # Wan 2.1-style: one transformer
 TINY_WAN_MOE = "tiny-wan-moe"      # Wan 2.2 A14B-style: high-/low-noise experts switched at boundary_ratio
 TINY_WAN_PAIRED = "tiny-wan-paired"  # two transformers at every step (the second one guides)
+TINY_WAN_I2V = "tiny-wan-i2v"      # Wan 2.2 TI2V-style: image-to-video by latent conditioning
 TINY_WAN_VERSION = "v1"
 # A sidecar in a checkpoint directory that names ditserve's execution mode of a second
 # transformer that diffusers' pipeline class does not know (``paired``).
@@ -26,7 +27,9 @@ class TinyWanArch:
 
     ``dual``: None (one transformer), ``"boundary"`` (``transformer_2`` serves the low-noise
     steps below ``boundary_ratio``, as Wan 2.2 A14B) or ``"paired"`` (both run every step).
-    ``num_attention_heads`` must be divisible by the Ulysses degree a test wants.
+    ``num_attention_heads`` must be divisible by the Ulysses degree a test wants. ``i2v``: a
+    ``WanImageToVideoPipeline`` with ``expand_timesteps`` (Wan 2.2 TI2V's latent conditioning;
+    no image encoder, the transformer as text-to-video's).
     """
 
     num_layers: int = 10
@@ -37,6 +40,7 @@ class TinyWanArch:
     vae_base_dim: int = 8
     max_sequence_length: int = 32
     dual: str | None = None
+    i2v: bool = False
     boundary_ratio: float = 0.875  # Wan 2.2 A14B text-to-video's value
     seed: int = 0
 
@@ -62,14 +66,15 @@ def _tiny_wan_transformer(arch: TinyWanArch, seed: int):
 
 
 def build_tiny_wan_pipeline(arch: TinyWanArch = TinyWanArch()):
-    """Return a ``diffusers.WanPipeline`` with random weights drawn from ``arch.seed``.
+    """Return a ``diffusers.WanPipeline`` (``WanImageToVideoPipeline`` with ``arch.i2v``) with
+    random weights drawn from ``arch.seed``.
 
     Components as Wan 2.1/2.2: ``WanTransformer3DModel`` (patch 1×2×2), ``AutoencoderKLWan``
     (spatial factor 8, temporal factor 4), UMT5 text encoder with a locally made tokenizer,
     ``UniPCMultistepScheduler`` with flow prediction and ``flow_shift`` 3.0 (Wan 2.1 T2V's
     setting at 480p). All float32 on CPU. Raises ``ValueError`` for an unknown ``arch.dual``.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     if arch.dual not in (None, "boundary", "paired"):
@@ -91,9 +96,15 @@ def build_tiny_wan_pipeline(arch: TinyWanArch = TinyWanArch()):
     )
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=transformer_2,
-                       boundary_ratio=arch.boundary_ratio if arch.dual == "boundary" else None)
+    boundary_ratio = arch.boundary_ratio if arch.dual == "boundary" else None
+    if arch.i2v:
+        pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                                       image_processor=None, image_encoder=None, transformer=transformer,
+                                       transformer_2=transformer_2, boundary_ratio=boundary_ratio,
+                                       expand_timesteps=True)
+    else:
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                           transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -103,7 +114,7 @@ def ensure_tiny_wan(root: Path | None = None, arch: TinyWanArch = TinyWanArch())
 
     A ``paired`` model carries ``ditserve.json`` (``{"dual_transformer": "paired"}``).
     """
-    name = f"{TINY_WAN}-{arch.dual or 'single'}-{TINY_WAN_VERSION}-{arch_tag(arch)}"
+    name = f"{TINY_WAN}-{arch.dual or 'single'}{'-i2v' if arch.i2v else ''}-{TINY_WAN_VERSION}-{arch_tag(arch)}"
     target = (root or cache_root()) / "models" / name
     if (target / "model_index.json").exists():
         return target
