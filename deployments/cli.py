@@ -119,13 +119,40 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
     return meta
 
 
+def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: Path | None = None,
+               strength: float | None = None, size: str | None = None, seed: int | None = None,
+               steps: int | None = None, extra: dict | None = None, api_key: str | None = None) -> dict:
+    """POST one edit (OpenAI's ``images.edit``: ``image`` and optional ``mask`` uploaded as
+    files) with the OpenAI client, write the image to ``output`` (its suffix picks
+    ``output_format``); return the metadata. ``strength`` in (0, 1]: how much of the run
+    re-noises the image (image-to-image, inpainting)."""
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
+    if strength is not None:
+        body["strength"] = strength
+    kwargs = {"size": size} if size else {}
+    output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
+    if output_format != "png":
+        kwargs["output_format"] = output_format
+    if mask is not None:
+        kwargs["mask"] = (mask.name, mask.read_bytes())
+    response = client.images.edit(image=(image.name, image.read_bytes()), prompt=prompt, response_format="b64_json",
+                                  extra_body=body, **kwargs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(base64.b64decode(response.data[0].b64_json))
+    return (response.model_extra or {}).get("ditserve", {})
+
+
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seconds: str | None = None, seed: int | None = None, steps: int | None = None,
-                   extra: dict | None = None, poll_s: float = 0.2, on_progress=None, api_key: str | None = None) -> dict:
+                   extra: dict | None = None, poll_s: float = 0.2, on_progress=None, api_key: str | None = None,
+                   input_reference: Path | None = None) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
-    return the final job. Raises ``RuntimeError`` if the job fails (its error is the message)."""
+    return the final job. ``input_reference``: an image file that becomes the first frame
+    (image-to-video models). Raises ``RuntimeError`` if the job fails (its error is the message)."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
+    if input_reference is not None:
+        kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
     job = client.videos.create(prompt=prompt, extra_body=body, **kwargs)
     while job.status not in ("completed", "failed"):
         time.sleep(poll_s)
@@ -242,6 +269,18 @@ def _cmd_generate(ns) -> int:
     return 0
 
 
+def _cmd_edit(ns) -> int:
+    meta, rc = _run_client(lambda: edit_image(
+        ns.url, Path(ns.image), ns.prompt, Path(ns.output), mask=Path(ns.mask) if ns.mask else None,
+        strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
+        api_key=ns.api_key), ns.url)
+    if rc:
+        return rc
+    print(f"wrote {ns.output}")
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
 def _cmd_video(ns) -> int:
     from tqdm import tqdm
 
@@ -257,8 +296,9 @@ def _cmd_video(ns) -> int:
     def run() -> dict:
         try:
             return generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
-                                  steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
-                                  api_key=ns.api_key, on_progress=show)
+                                  steps=ns.steps, extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
+                                  on_progress=show,
+                                  input_reference=Path(ns.input_reference) if ns.input_reference else None)
         finally:
             for bar in bars:
                 bar.close()
@@ -312,6 +352,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("edit", help="edit one image on a running server (image-to-image, or inpainting with --mask)")
+    p.add_argument("image", help="the input image (PNG, JPEG or WebP)")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", required=True, help="image file to write (.png, .jpg or .webp: its format)")
+    p.add_argument("--mask", help="a PNG the image's size whose transparent pixels (alpha 0) mark what to repaint")
+    p.add_argument("--strength", type=float, help="in (0, 1]: the share of the steps that re-noise the image")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--size", help="WIDTHxHEIGHT in pixels (default: the image's size)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--steps", type=int, help="num_inference_steps")
+    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
+                   help="apply a registered LoRA adapter (repeatable)")
+    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
+    p.set_defaults(func=_cmd_edit)
+
     p = sub.add_parser("video", help="create one video job on a running server, wait for it, save the MP4")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True, help="MP4 file to write")
@@ -321,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
+    p.add_argument("--input-reference", metavar="IMAGE", help="an image that becomes the first frame (image-to-video)")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable)")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")

@@ -1,0 +1,169 @@
+"""Uploaded images at the edge: every bad input is a 400 naming its field, before queueing;
+good ones are decoded, converted and resized in the Ingress (no Ray, no model)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.contract.edits import validate_edit_request
+from pipeline.contract.limits import ServingLimits
+from pipeline.contract.uploads import to_rgb
+from pipeline.contract.videos import validate_video_request
+from pipeline.errors import InvalidRequestError
+from pipeline.modes import InputMode
+from pipeline.sampling import resolve_edit, resolve_video
+from pipeline.signature import BatchSignature
+
+FLUX = ServingLimits("tiny-flux", 16, 64, 64, 8, 3.5, max_pixels=128 * 128, max_input_pixels=128 * 128,
+                     input_modes=(InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT))
+KONTEXT = ServingLimits("tiny-flux-kontext", 16, 64, 64, 8, 3.5, max_pixels=128 * 128, max_input_pixels=128 * 128,
+                        input_modes=(InputMode.REFERENCE,))
+
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def picture(size=(64, 64), mode="RGB", color=(200, 40, 40)) -> bytes:
+    return encoded(Image.new(mode, size, color))
+
+
+NOISE_PNG = encoded(Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+
+
+def mask_png(size=(64, 64), transparent_right=True) -> bytes:
+    mask = Image.new("RGBA", size, (0, 0, 0, 255))
+    if transparent_right:
+        mask.paste((0, 0, 0, 0), (size[0] // 2, 0, size[0], size[1]))
+    return encoded(mask)
+
+
+def edit(body: dict, limits: ServingLimits = FLUX):
+    return resolve_edit(validate_edit_request({"prompt": "a blue square", **body}, limits), limits)
+
+
+def refused(body: dict, limits: ServingLimits = FLUX) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as info:
+        edit(body, limits)
+    return info.value
+
+
+def test_an_edit_resolves_to_image_to_image_or_inpainting_with_decoded_arrays():
+    p = edit({"image": picture(), "strength": 0.5, "seed": 1})
+    assert p.input_mode == InputMode.IMAGE_TO_IMAGE and p.strength == 0.5 and p.effective_steps == 4
+    assert p.images[0].array().shape == (64, 64, 3) and p.mask is None
+    assert tuple(p.images[0].array()[0, 0]) == (200, 40, 40)
+    q = edit({"image": picture(), "mask": mask_png()})
+    assert q.input_mode == InputMode.INPAINT and q.strength == 1.0  # inpainting repaints by default
+    alpha = q.mask.array()[..., 0]
+    assert alpha[:, :32].min() == 255 and alpha[:, 32:].max() == 0
+    assert edit({"image": picture()}).strength == FLUX.default_strength
+    # the mode and strength are in the signature; the images are not
+    a, b = edit({"image": picture(color=(0, 0, 0))}), edit({"image": picture(color=(255, 255, 255))})
+    assert BatchSignature.of(a) == BatchSignature.of(b) != BatchSignature.of(q)
+    assert "image_to_image strength=0.6" in str(BatchSignature.of(a))
+
+
+def test_output_size_follows_size_or_the_image():
+    """``size`` scales to cover and centre-crops; without it the image's own size, bounded by
+    max_pixels and rounded down to the model's multiple."""
+    wide = Image.new("RGB", (160, 80), (0, 0, 255))
+    wide.paste((255, 0, 0), (0, 0, 40, 80))  # a red band on the left, cropped away by a square output
+    p = edit({"image": encoded(wide), "size": "64x64"})
+    assert (p.width, p.height) == (64, 64) and tuple(p.images[0].array()[32, 0]) != (255, 0, 0)
+    big = edit({"image": picture((120, 90))})
+    assert (big.width, big.height) == (112, 80)
+    refused_small = refused({"image": picture((8, 40))})
+    assert refused_small.param == "image" and "at least 16 pixels" in str(refused_small)
+
+
+def test_pixel_modes_convert_to_rgb_or_are_refused_by_name():
+    cmyk = edit({"image": encoded(Image.new("CMYK", (64, 64), (0, 255, 255, 0)), "JPEG")})
+    assert cmyk.images[0].array().shape == (64, 64, 3)
+    grey16 = Image.fromarray(np.full((64, 64), 65535, dtype=np.uint16))
+    assert tuple(edit({"image": encoded(grey16)}).images[0].array()[0, 0]) == (255, 255, 255)
+    assert edit({"image": picture(mode="P", color=3)}).images[0].array().shape == (64, 64, 3)
+    with pytest.raises(InvalidRequestError, match="pixel mode 'F' is not accepted"):
+        to_rgb(Image.new("F", (4, 4)), "image")
+
+
+@pytest.mark.parametrize("case, body, param, words", [
+    ("not an image", {"image": b"hello, not a picture"}, "image", "not an image in an accepted format"),
+    ("empty file", {"image": b""}, "image", "an image file is required"),
+    ("truncated", {"image": NOISE_PNG[:len(NOISE_PNG) // 2]}, "image", "could not be decoded"),
+    ("TIFF", {"image": encoded(Image.new("RGB", (64, 64)), "TIFF")}, "image", "accepted format"),
+    ("over max pixels", {"image": picture((200, 200))}, "image", "at most 16384 pixels"),
+    ("image bomb", {"image": encoded(Image.new("1", (12000, 12000)))}, "image", "pixels"),
+    ("mask of another size", {"image": picture(), "mask": mask_png((32, 32))}, "mask", "same size"),
+    ("alpha-less mask", {"image": picture(), "mask": picture()}, "mask", "no alpha channel"),
+    ("mask not an image", {"image": picture(), "mask": b"GIF89a"}, "mask", "accepted format"),
+    ("strength 0", {"image": picture(), "strength": 0.0}, "strength", "strength must be in (0, 1]"),
+    ("strength above 1", {"image": picture(), "strength": 1.5}, "strength", "strength must be in (0, 1]"),
+    ("strength NaN", {"image": picture(), "strength": float("nan")}, "strength", "finite"),
+    ("no step left", {"image": picture(), "strength": 1e-20, "num_inference_steps": 1}, "strength",
+     "leaves no step to run"),
+    ("too many images", {"image": [picture(), picture()]}, "image", "at most 1"),
+    ("no image", {"image": []}, "image", "at least one image"),
+    ("image as text", {"image": "aGVsbG8="}, "image", "bytes"),
+])
+def test_bad_uploads_are_400s_naming_the_field(case, body, param, words):
+    error = refused(body)
+    assert error.status_code == 400 and error.param == param, (case, error)
+    assert words in str(error), (case, str(error))
+    assert "Traceback" not in str(error) and "/" not in str(error).split(":")[0]
+
+
+def test_modes_a_model_does_not_serve_are_refused():
+    text_only = ServingLimits("flux-t2i", 16, 64, 64, 8, 3.5, input_modes=())
+    assert "does not serve image edits" in str(refused({"image": picture()}, text_only))
+    error = refused({"image": picture(), "mask": mask_png()}, KONTEXT)
+    assert error.param == "mask" and "edits by reference" in str(error)
+    assert refused({"image": picture(), "strength": 0.5}, KONTEXT).param == "strength"
+    p = edit({"image": picture()}, KONTEXT)
+    assert p.input_mode == InputMode.REFERENCE and p.strength is None and p.num_input_images == 1
+    no_inpaint = ServingLimits("i2i-only", 16, 64, 64, 8, 3.5, input_modes=(InputMode.IMAGE_TO_IMAGE,))
+    assert "does not serve inpaint" in str(refused({"image": picture(), "mask": mask_png()}, no_inpaint))
+
+
+def test_cache_dit_step_knobs_are_checked_against_the_steps_that_run():
+    """strength 0.5 of 8 steps runs 4: a warmup of 6 steps no longer fits."""
+    error = refused({"image": picture(), "strength": 0.5, "num_inference_steps": 8, "enable_cache_dit": True,
+                     "cache_dit_params": {"max_warmup_steps": 6}})
+    assert error.param == "cache_dit_params" or "max_warmup_steps" in str(error)
+    assert "strength 0.5 runs 4 steps" in str(error)
+    ok = edit({"image": picture(), "strength": 0.5, "num_inference_steps": 8, "enable_cache_dit": True,
+               "cache_dit_params": {"scm_compute_bins": [2, 1], "scm_cache_bins": [1]}})
+    assert ok.effective_steps == 4
+
+
+def test_sequence_parallel_sizes_that_cannot_split_are_refused():
+    sp = ServingLimits("tiny-flux", 16, 64, 64, 8, 3.5, world_size=2, max_pixels=128 * 128,
+                       max_input_pixels=128 * 128, input_modes=(InputMode.IMAGE_TO_IMAGE,))
+    error = refused({"image": picture((48, 16))}, sp)  # 3 x 1 latent tokens
+    assert error.param == "image" and "sequence-parallel" in str(error)
+    assert edit({"image": picture((64, 32))}, sp).width == 64
+
+
+def test_video_input_reference_needs_an_image_to_video_model():
+    t2v = ServingLimits("tiny-wan", 16, 64, 48, 4, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                        guidance_embeds=False)
+    i2v = ServingLimits("tiny-wan-i2v", 16, 64, 48, 4, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                        guidance_embeds=False, input_modes=(InputMode.IMAGE_TO_VIDEO,))
+    body = {"prompt": "a ball", "input_reference": picture((100, 80))}
+    with pytest.raises(InvalidRequestError, match="does not serve image-to-video") as info:
+        validate_video_request(body, t2v)
+    assert info.value.param == "input_reference"
+    p = resolve_video(validate_video_request(body, i2v), i2v)
+    assert p.input_mode == InputMode.IMAGE_TO_VIDEO and p.images[0].array().shape == (48, 64, 3)
+    assert "image_to_video" in str(BatchSignature.of(p))
+    with pytest.raises(InvalidRequestError, match="accepted format") as info:
+        resolve_video(validate_video_request({**body, "input_reference": b"nope"}, i2v), i2v)
+    assert info.value.param == "input_reference"
+    with pytest.raises(InvalidRequestError, match="input_reference"):  # an edit on a video model: the video route
+        validate_edit_request({"prompt": "x", "image": picture()}, i2v)
