@@ -3,7 +3,8 @@
 Bodies come from each route's request schema in ``/openapi.json`` (``hypothesis-jsonschema``),
 from those bodies with one field replaced by arbitrary JSON, from arbitrary JSON values, and
 from raw bytes with random media types; ``/v1/videos`` is also sent as the form OpenAI's SDK
-uses. Every answer is checked: a status below 500, OpenAI's error envelope on every error, and
+uses, and ``/v1/images/edits`` as the multipart form ``images.edit`` sends, with uploads drawn
+from valid, corrupt, truncated, oversized ("bombs"), odd-mode and random files. Every answer is checked: a status below 500, OpenAI's error envelope on every error, and
 an answer within 5 s. Printed per route: cases by status, and the three failure counts.
 Goals: 0 x 5xx (a 504 for the request's own ``timeout_s`` is its promised answer, not a
 server error), 0 non-envelope error bodies, 0 answers slower than 5 s.
@@ -32,6 +33,7 @@ SLOW_S = 5.0
 IMAGE_ARGS = {"model": {"loras": {"magenta": {}, "outline": {}}},  # the embedded adapters: lora fields reach them
               "limits": {"default_size": "32x32", "default_steps": 2, "max_steps": 3, "max_pixels": 64 * 64, "max_n": 2},
               "replica": {"torch_threads": 1}, "batching": {"max_wait_ms": 5}}
+EDIT_ARGS = IMAGE_ARGS
 VIDEO_ARGS = {"model": {"name": "tiny-wan"},
               "limits": {"default_size": "32x32", "default_steps": 2, "max_steps": 3, "max_pixels": 64 * 64,
                          "default_num_frames": 5, "max_frames": 9},
@@ -48,7 +50,30 @@ def _own_deadline(r: httpx.Response) -> bool:
     return r.status_code == 504 and error.get("code") == "timeout" and error.get("param") == "timeout_s"
 
 
-def _strategies(schema: dict, form: bool):
+def _upload_pool() -> list[bytes]:
+    """Files an edit may carry: valid PNG / JPEG / WebP, an alpha mask, an alpha-less mask, odd
+    modes (CMYK, 16-bit grey, palette), truncated and corrupt data, a 1-bit image bomb."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def save(image, fmt="PNG") -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format=fmt)
+        return buf.getvalue()
+
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    mask = Image.new("RGBA", (32, 32), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (16, 0, 32, 32))
+    png = save(noise)
+    return [png, save(noise, "JPEG"), save(noise, "WEBP"), save(mask), save(Image.new("RGB", (32, 32))),
+            save(Image.new("CMYK", (32, 32)), "JPEG"), save(Image.fromarray(np.zeros((32, 32), np.uint16))),
+            save(Image.new("P", (48, 32))), png[: len(png) // 2], png[:60], save(Image.new("1", (12000, 12000))),
+            save(noise.resize((64, 16)))]
+
+
+def _strategies(schema: dict, form: bool, uploads: bool = False):
     from hypothesis import strategies as st
     from hypothesis_jsonschema import from_schema
 
@@ -63,6 +88,13 @@ def _strategies(schema: dict, form: bool):
     raw = st.tuples(st.binary(max_size=200), st.sampled_from(["application/json", "text/plain", "", "multipart/form-data",
                                                                "application/x-www-form-urlencoded"]))
     kinds = ["json", "json", "json", "raw"] + (["form"] if form else [])
+    if uploads:
+        files = st.sampled_from(_upload_pool()) | st.binary(max_size=300)
+        upload = st.tuples(bodies, st.lists(files, min_size=0, max_size=2), st.none() | files)
+        kinds = ["json", "raw", "upload", "upload", "upload", "upload"]
+        return st.sampled_from(kinds).flatmap(lambda k: raw.map(lambda r: ("raw", r)) if k == "raw"
+                                              else upload.map(lambda u: ("upload", u)) if k == "upload"
+                                              else bodies.map(lambda b, k=k: (k, b)))
     return st.sampled_from(kinds).flatmap(lambda k: raw.map(lambda r: ("raw", r)) if k == "raw"
                                           else bodies.map(lambda b, k=k: (k, b)))
 
@@ -89,9 +121,10 @@ def _form_fields(body) -> list[tuple[str, str]]:
 
 
 def fuzz_route(base_url: str, route: str, cases: int, *, form: bool = False, headers: dict | None = None,
-               seed: int = 0) -> dict:
+               seed: int = 0, uploads: bool = False) -> dict:
     """Send ``cases`` generated requests to ``route``; returns counts by status and the failures:
-    ``5xx``, ``non_envelope`` (an error whose body is not OpenAI's envelope), ``slow`` (> 5 s)."""
+    ``5xx``, ``non_envelope`` (an error whose body is not OpenAI's envelope), ``slow`` (> 5 s).
+    ``uploads``: the route takes multipart uploads (``image`` / ``image[]`` and ``mask``)."""
     from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
     schema = httpx.get(f"{base_url}/openapi.json", headers=headers, timeout=60).json()[
@@ -102,7 +135,7 @@ def fuzz_route(base_url: str, route: str, cases: int, *, form: bool = False, hea
     @hypothesis_seed(seed)
     @settings(max_examples=cases, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(_strategies(schema, form))
+    @given(_strategies(schema, form, uploads))
     def one(case) -> None:
         kind, payload = case
         started = time.monotonic()
@@ -110,6 +143,15 @@ def fuzz_route(base_url: str, route: str, cases: int, *, form: bool = False, hea
             if kind == "json":
                 r = client.post(route, content=json.dumps(payload, allow_nan=True).encode("utf-8", "surrogatepass"),
                                 headers={"content-type": "application/json"})
+            elif kind == "upload":  # multipart as images.edit sends it: fields, image (image[] for several), mask
+                body, images, mask = payload
+                fields = [(k, v.encode("utf-8", "surrogatepass")) for k, v in _form_fields(body)
+                          if k.split("[")[0] not in ("image", "mask")]
+                files = [("image" if len(images) == 1 else "image[]", ("in.png", data, "image/png")) for data in images]
+                if mask is not None:
+                    files.append(("mask", ("mask.png", mask, "image/png")))
+                r = client.post(route, files=[*[(k, (None, v)) for k, v in fields], *files] or None,
+                                data=None if fields or files else {"prompt": "x"})
             elif kind == "form":  # url-encoded by hand: lone surrogates must reach the server as bytes
                 data = urlencode(_form_fields(payload), encoding="utf-8", errors="surrogatepass").encode()
                 r = client.post(route, content=data, headers={"content-type": "application/x-www-form-urlencoded"})
@@ -157,10 +199,12 @@ def main() -> int:
         serve.run(build_app(IMAGE_ARGS), name="images", route_prefix="/img")
         serve.run(build_app(VIDEO_ARGS), name="videos", route_prefix="/vid")
         runs = [("POST /v1/images/generations (JSON)", f"http://127.0.0.1:{port}/img", "/v1/images/generations", False),
+                ("POST /v1/images/edits (multipart uploads)", f"http://127.0.0.1:{port}/img", "/v1/images/edits",
+                 False),
                 ("POST /v1/videos (JSON and forms)", f"http://127.0.0.1:{port}/vid", "/v1/videos", True)]
         for name, base, route, form in runs:
             started = time.monotonic()
-            result = fuzz_route(base, route, ns.cases, form=form)
+            result = fuzz_route(base, route, ns.cases, form=form, uploads=route.endswith("/edits"))
             ok = not result["failures"]
             met &= ok
             print(f"{name}: {ns.cases} cases in {time.monotonic() - started:.0f} s; by status {result['statuses']}; "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fuzz import IMAGE_ARGS, VIDEO_ARGS, fuzz_route
+from bench.fuzz import EDIT_ARGS, IMAGE_ARGS, VIDEO_ARGS, fuzz_route
 
 pytestmark = pytest.mark.slow
 
@@ -14,10 +14,11 @@ CASES = 150
 
 
 @pytest.mark.parametrize("args, route, form", [(IMAGE_ARGS, "/v1/images/generations", False),
-                                               (VIDEO_ARGS, "/v1/videos", True)], ids=["images", "videos"])
+                                               (EDIT_ARGS, "/v1/images/edits", False),
+                                               (VIDEO_ARGS, "/v1/videos", True)], ids=["images", "edits", "videos"])
 def test_generated_requests_never_break_the_server(deploy, args, route, form):
     url = deploy(args)
-    result = fuzz_route(url, route, CASES, form=form, seed=1)
+    result = fuzz_route(url, route, CASES, form=form, seed=1, uploads=route.endswith("/edits"))
     assert not result["failures"], (result["failures"], result["examples"])
     assert sum(result["statuses"].values()) == CASES
     assert result["statuses"].get(400, 0) > 0 and result["statuses"].get(200, 0) > 0  # both kinds were reached

@@ -70,6 +70,22 @@ def test_openai_sdk_edits_image_to_image_and_inpainting(url):
     assert info.value.body["param"] == "image" and "at most 1" in info.value.body["message"]
 
 
+def test_accelerations_apply_to_edits_unchanged(url):
+    """Cache-DiT, CFG gating and a kernel override on an inpainting edit, reported per batch."""
+    client = openai_client(url)
+    response = client.images.edit(
+        image=("in.png", RED_CIRCLE), mask=("mask.png", right_half_mask()), prompt="a blue square",
+        extra_body={"seed": 7, "strength": 0.75, "num_inference_steps": 8, "negative_prompt": "blurry",
+                    "true_cfg_scale": 3.0, "enable_cache_dit": True, "cfg_gate_step": 0.5,
+                    "attention_backend_override": "torch_math",
+                    "cache_dit_params": {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 2}})
+    acceleration = response.model_extra["ditserve"]["acceleration"]
+    assert acceleration["attention_backend"] == "torch_math"
+    cache = acceleration["cache_dit"]
+    assert cache["active"] and cache["cached_steps"] + cache["computed_steps"] == 6  # 0.75 of 8 steps
+    assert acceleration["cfg_gate"]["reused_steps"] == 3  # the guide runs the first 3 of the 6 steps
+
+
 def test_an_edit_streams_previews_through_the_sdk(url):
     client = openai_client(url)
     events = list(client.images.edit(image=("in.png", RED_CIRCLE), prompt="a blue square", stream=True,
