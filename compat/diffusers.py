@@ -22,6 +22,7 @@ RELIES_ON = (
     Reliance("diffusers.hooks.context_parallel", "remove_context_parallel", "split/gather hooks"),
     Reliance("diffusers", "FluxTransformer2DModel._cp_plan", "FLUX's context-parallel plan"),
     Reliance("diffusers", "WanTransformer3DModel._cp_plan", "Wan's context-parallel plan"),
+    Reliance("diffusers", "Flux2Transformer2DModel._cp_plan", "FLUX.2's context-parallel plan"),
     Reliance("diffusers.models.attention_dispatch", "AttentionBackendName", "kernel names"),
     Reliance("diffusers.models.attention_dispatch", "_AttentionBackendRegistry._backends", "registered kernels"),
     Reliance("diffusers.models.attention_dispatch", "_check_attention_backend_requirements", "kernel requirements"),
@@ -31,6 +32,9 @@ RELIES_ON = (
              "per-layer kernel slot"),
     Reliance("diffusers.models.transformers.transformer_flux", "_get_qkv_projections", "SP FLUX attention"),
     Reliance("diffusers.models.transformers.transformer_wan", "_get_qkv_projections", "SP Wan attention"),
+    Reliance("diffusers.models.transformers.transformer_flux2", "_get_qkv_projections", "SP FLUX.2 attention"),
+    Reliance("diffusers.models.transformers.transformer_flux2", "Flux2AttnProcessor._attention_backend",
+             "per-layer kernel slot"),
     Reliance("diffusers", "FluxPipeline._pack_latents", "FLUX latent packing"),
     Reliance("diffusers", "FluxPipeline._unpack_latents", "FLUX latent unpacking"),
     Reliance("diffusers", "FluxPipeline._prepare_latent_image_ids", "FLUX position ids"),
@@ -153,6 +157,13 @@ def wan_prompt_embeds(pipe, prompts: list[str], max_sequence_length: int, device
 def flux_qkv_projections(attn, hidden_states, encoder_hidden_states=None):
     """FLUX attention's (q, k, v, encoder q, encoder k, encoder v) projections."""
     from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+    return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+
+
+def flux2_qkv_projections(attn, hidden_states, encoder_hidden_states=None):
+    """FLUX.2 double-stream attention's (q, k, v, encoder q, encoder k, encoder v) projections."""
+    from diffusers.models.transformers.transformer_flux2 import _get_qkv_projections
 
     return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
 

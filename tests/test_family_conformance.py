@@ -66,7 +66,9 @@ def test_members_and_shapes_on_a_batch_of_two(family):
         f = family.spatial_factor
         assert lengths["image tokens"] == latent_frames * (p.height // f) * (p.width // f)
     else:  # packed (B, S, 4·C)
-        assert latents.shape[1] == lengths["image tokens"] and positions.shape == (latents.shape[1], 3)
+        assert latents.shape[1] == lengths["image tokens"]
+        # the family's own position ids, one row per token: FLUX.1 (S, 3), FLUX.2 (B, S, 4)
+        assert positions is None or positions.shape[-2] == latents.shape[1]
 
     scheduler, timesteps = family.scheduler_and_timesteps(p.num_inference_steps, p)
     assert len(timesteps) == p.num_inference_steps and hasattr(scheduler, "step")
@@ -116,3 +118,6 @@ def test_denoiser_ranks_load_no_encoders_and_decode_slices_the_same(family, requ
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     latents, _ = family.prepare_latents(generators, [1, 1], p)
     assert np.abs(sliced.decode(latents, p) - family.decode(latents, p)).max() <= 1e-5
+    # a rank without the VAE shapes and draws the same initial latents as rank 0
+    again = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    assert torch.equal(denoiser.prepare_latents(again, [1, 1], p)[0], latents)

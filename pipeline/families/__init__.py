@@ -14,6 +14,7 @@ from pathlib import Path
 REGISTRY: dict[str, str] = {
     "flux": "pipeline.families.flux:FluxFamily",
     "flux-kontext": "pipeline.families.flux:FluxKontextFamily",
+    "flux2": "pipeline.families.flux2:Flux2Family",
     "wan": "pipeline.families.wan:WanFamily",
 }
 

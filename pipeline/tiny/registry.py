@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux, ensure_tiny_flux_kontext
+from pipeline.tiny.flux2 import TINY_FLUX2, ensure_tiny_flux2
 from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
 
 TINY_FLUX_RANDOM = "tiny-flux-random"
@@ -50,6 +51,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "tiny-wan-i2v": EmbeddedModel("wan", lambda: ensure_tiny_wan(arch=TinyWanArch(i2v=True))),
     # FLUX.1 Kontext-style reference editing: the trained tiny-flux weights as a FluxKontextPipeline
     "tiny-flux-kontext": EmbeddedModel("flux-kontext", lambda: ensure_tiny_flux_kontext(trained_tiny_flux())),
+    # FLUX.2 [dev]-style: Mistral 3 text encoder, 4-axis ids, batch-normalised patchified latents
+    TINY_FLUX2: EmbeddedModel("flux2", ensure_tiny_flux2),
 }
 
 

@@ -1,0 +1,134 @@
+"""FLUX.2 on the embedded tiny-flux2: our loop equals diffusers' Flux2Pipeline, batches equal
+requests alone, and every acceleration (Cache-DiT through cache-dit's own FLUX.2 adapter, true
+CFG with CFG gating, kernel overrides, torch.compile after mount, sequence parallelism) runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from compat import cache_dit as cache_dit_compat
+from compat import diffusers as diffusers_compat
+from pipeline.contract.images import validate_image_request
+from pipeline.loop import denoise_batch
+from pipeline.runner import BatchRunner
+from pipeline.sampling import AccelerationDefaults, resolve
+from pipeline.cache_dit_params import CacheDiTParams
+from tests.helpers import batch_of, flux_params
+from tests.helpers import pixels as png_pixels
+
+MODEL = "tiny-flux2"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return BatchRunner(MODEL)
+
+
+def params(prompt, seed, **fields):
+    return flux_params(prompt, seed, size=(64, 48), **fields)
+
+
+def reference(family, p) -> np.ndarray:
+    return family.pipe(prompt=p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
+                       guidance_scale=p.embedded_guidance_scale, num_images_per_prompt=p.n,
+                       generator=torch.Generator().manual_seed(p.seed),
+                       max_sequence_length=family.max_sequence_length, output_type="np").images
+
+
+def test_loop_equals_flux2_pipeline_and_batches_equal_each_alone(runner):
+    family = runner.family
+    batch = [params("a red circle", 3, n=2), params("yellow star on a blue background at night", 4, guidance=5.0),
+             params("x", 5)]
+    batch[1] = params("yellow star on a blue background at night", 4)
+    together = denoise_batch(family, batch).images
+    for p, ours in zip(batch, together, strict=True):
+        alone = denoise_batch(family, [p]).images[0]
+        assert np.abs(alone - reference(family, p)).max() <= TOL
+        assert np.abs(ours - alone).max() <= TOL
+
+
+def test_the_limits_come_from_the_family(runner):
+    facts = runner.facts()
+    assert facts.family == "flux2" and facts.spatial_factor == 4 and facts.text_tokens == 128
+    limits = facts.limits(MODEL, {"default_size": "64x48", "default_steps": 6, "default_guidance_scale": 4.0,
+                                  "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50, "max_prompt_chars": 500,
+                                  "default_num_frames": 1, "default_fps": 8, "max_frames": 1})
+    from pipeline.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="multiples of 4"):
+        validate_image_request({"prompt": "x", "size": "66x48"}, limits)
+
+
+def _run(runner, **body):
+    limits = runner.facts().limits(MODEL, {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0,
+                                           "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50,
+                                           "max_prompt_chars": 500, "default_num_frames": 1, "default_fps": 8,
+                                           "max_frames": 1})
+    p = resolve(validate_image_request({"prompt": "a red circle", "seed": 1, **body}, limits), limits,
+                AccelerationDefaults())
+    return runner.run(batch_of(p))[0]
+
+
+def test_cache_dit_mounts_through_its_own_flux2_adapter(runner):
+    exact = _run(runner)
+    cached = _run(runner, enable_cache_dit=True, cache_dit_params={"scm_preset": "fast", "scm_policy": "static"})
+    report = cached.acceleration.cache_dit
+    assert report.transition == "mount" and report.cached_steps > 0
+    assert report.cached_steps + report.computed_steps == 8
+    assert np.abs(png_pixels(cached.images[0]).astype(int) - png_pixels(exact.images[0]).astype(int)).mean() < 40
+    back = _run(runner)
+    assert back.acceleration.cache_dit.transition == "unmount" and back.images == exact.images
+    assert not cache_dit_compat.is_mounted(runner.family.transformer)
+
+
+def test_true_cfg_with_gating_and_a_kernel_override(runner):
+    guided = dict(negative_prompt="blurry", true_cfg_scale=3.0)
+    exact = _run(runner, **guided)
+    assert exact.acceleration.transformer_calls == {"transformer": 16}
+    gated = _run(runner, **guided, cfg_gate_step=0.5)
+    assert gated.acceleration.cfg_gate.reused_steps == 4 and gated.images != exact.images
+    math = _run(runner, **guided, attention_backend_override="torch_math")
+    assert math.acceleration.attention_backend == "torch_math"
+    assert {diffusers_compat.get_processor_backend(p) for p in runner.attention.layers} == {"_native_math"}
+    assert np.abs(png_pixels(math.images[0]).astype(int) - png_pixels(exact.images[0]).astype(int)).max() <= 1
+    assert _run(runner, **guided).images == exact.images  # back to the default kernel
+
+
+def test_compile_after_mount_once():
+    compiled = BatchRunner(MODEL, torch_compile=True, compile_backend="eager")
+    on = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(scm_preset="fast",
+                                                                                     scm_policy="static"))
+    limits = compiled.facts().limits(MODEL, {"default_size": "64x48", "default_steps": 8,
+                                             "default_guidance_scale": 4.0, "max_n": 4, "max_pixels": 128 * 128,
+                                             "max_steps": 50, "max_prompt_chars": 500, "default_num_frames": 1,
+                                             "default_fps": 8, "max_frames": 1})
+    compiled.warmup(resolve(validate_image_request({"prompt": "x", "seed": 0}, limits), limits, on))
+    assert [e[1] for e in compiled.events][:2] == ["mount", "compile"]
+    _run(compiled)
+    assert compiled.compiles == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "ring_degree": 1}, {"ulysses_degree": 1, "ring_degree": 2}],
+                         ids=["ulysses2", "ring2"])
+def test_two_ranks_equal_one_rank(ray_cluster, layout):
+    from deployments.rank_worker import RankWorker
+    from parallel.groups import free_port
+
+    batch = batch_of(params("a red circle", 3, negative="blurry", true_cfg_scale=3.0),
+                     params("a green star at night", 4, negative="blurry", true_cfg_scale=3.0))
+    single = BatchRunner(MODEL).denoise(batch)
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": MODEL}, {}, layout, 1) for r in range(2)]
+    try:
+        port = free_port()
+        ray.get([w.join.remote("127.0.0.1", port) for w in workers])
+        sharded = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)[0]
+        for a, b in zip(single.images, sharded.images, strict=True):
+            assert np.abs(a - b).max() <= 5e-4 and np.abs(a - b).mean() <= 5e-5
+    finally:
+        for w in workers:
+            ray.kill(w)
