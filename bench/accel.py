@@ -11,7 +11,11 @@ The dual-transformer rows run the embedded tiny Wan 2.2-style models (``tiny-wan
 boundary experts; ``tiny-wan-paired``: both transformers every step) on short videos and
 compare the decoded frames (before MP4 encoding) with the exact ones.
 
-    python bench/accel.py [--steps 28] [--size 64x64] [--iters 3] [--only flux|dual]
+The family rows run one block per further image family on its embedded tiny model
+(``tiny-flux2``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
+``pip install -e '.[bench]'``) as ``bench/results/accel-<model>.png``.
+
+    python bench/accel.py [--steps 28] [--size 64x64] [--iters 3] [--only flux|dual|families]
 """
 
 from __future__ import annotations
@@ -59,13 +63,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--frames", type=int, default=17, help="frames of the dual-transformer videos")
     ap.add_argument("--video-size", default="64x64")
-    ap.add_argument("--only", choices=("flux", "dual"))
+    ap.add_argument("--only", choices=("flux", "dual", "families"))
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
-    if ns.only != "dual":
+    if ns.only in (None, "flux"):
         flux_rows(ns)
-    if ns.only != "flux":
+    if ns.only in (None, "dual"):
         dual_rows(ns)
+    if ns.only in (None, "families"):
+        for model in FAMILY_MODELS:
+            family_rows(ns, model)
 
 
 def flux_rows(ns) -> None:
@@ -191,6 +198,89 @@ def dual_rows(ns) -> None:
             ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
             detail = ", ".join(f"{k} {cached[k]}/{ran.get(k, 0)}" for k in cached)
             print(f"{name:40s} {ratio:6.2f}x {frames_psnr(a.images[0], e.images[0]):8.1f} {detail:>30s}")
+
+
+FAMILY_MODELS = ("tiny-flux2",)  # one block per further image family's embedded model
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def family_rows(ns, model: str) -> None:
+    """The accelerations every image family takes, on ``model``: speed ratio and PSNR per row,
+    and the speed-vs-PSNR front drawn to ``bench/results/accel-<model>.png``."""
+    runner = BatchRunner(model)
+    facts = runner.facts()
+    limits = facts.limits(model, {"default_size": ns.size, "default_steps": ns.steps, "default_guidance_scale": 4.0,
+                                  "max_n": 1, "max_pixels": 1 << 22, "max_steps": 100, "max_prompt_chars": 2000,
+                                  "default_num_frames": 1, "default_fps": 8, "max_frames": 1})
+
+    def batch(body: dict) -> Batch:
+        body = {"prompt": "a red circle on a blue background", "seed": 0, "num_inference_steps": ns.steps, **body}
+        p = resolve(validate_image_request(body, limits), limits)
+        return Batch("bench", BatchSignature.of(p), (p,))
+
+    cfg = {"negative_prompt": "a blurry picture", "true_cfg_scale": 4.0}
+    rows = [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True}),
+            ("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+                "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}}),
+            ("SCM medium (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": "medium", "scm_policy": "static"}}),
+            ("SCM fast (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": "fast", "scm_policy": "static"}}),
+            ("SCM ultra (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": "ultra", "scm_policy": "static"}}),
+            ("CFG gating 0.5 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.5}),
+            ("CFG gating 0.25 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.25})]
+    print(f"\n{model} ({facts.family}) {ns.size}, {ns.steps} steps, {ns.threads} threads, "
+          f"median of {ns.iters} alternated runs")
+    print(f"{'setting':42s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
+    points = []
+    for name, base, accel in rows:
+        exact_b, accel_b = batch(base), batch({**base, **accel})
+        exact_ms, accel_ms = [], []
+        for _ in range(ns.iters + 1):  # first round warms both paths
+            e = runner.run(exact_b)[0]
+            a = runner.run(accel_b)[0]
+            exact_ms.append(e.timings_ms["denoise"])
+            accel_ms.append(a.timings_ms["denoise"])
+        ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+        quality = psnr(a.images[0], e.images[0])
+        points.append((name, ratio, quality))
+        meta = a.acceleration
+        print(f"{name:42s} {ratio:6.2f}x {quality:8.1f} {meta.cache_dit.cached_steps:4d}/{ns.steps:<2d} "
+              f"{meta.cfg_gate.reused_steps:10d}")
+    plot_front(model, points, ns)
+
+
+def plot_front(model: str, points: list[tuple[str, float, float]], ns) -> None:
+    """Speed ratio (x) against PSNR (y) of each setting, the Pareto front joined, to a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("(matplotlib is not installed: pip install -e '.[bench]' to draw the front)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [(n, r, min(q, 99.0)) for n, r, q in points]
+    front, best = [], -1.0
+    for name, ratio, quality in sorted(finite, key=lambda p: (-p[2], -p[1])):
+        if ratio > best:
+            front.append((ratio, quality))
+            best = ratio
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, ratio, quality in finite:
+        ax.scatter(ratio, quality, color="tab:blue")
+        ax.annotate(name, (ratio, quality), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.plot(*zip(*sorted(front)), color="tab:orange", label="Pareto front")
+    ax.set_xlabel("denoise speed vs exact (x)")
+    ax.set_ylabel("PSNR vs exact (dB)")
+    ax.set_title(f"{model}: {ns.size}, {ns.steps} steps, {ns.threads} CPU threads")
+    ax.legend()
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"accel-{model}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"front drawn to {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
 
 
 if __name__ == "__main__":

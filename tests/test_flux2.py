@@ -79,6 +79,7 @@ def test_cache_dit_mounts_through_its_own_flux2_adapter(runner):
     report = cached.acceleration.cache_dit
     assert report.transition == "mount" and report.cached_steps > 0
     assert report.cached_steps + report.computed_steps == 8
+    assert cached.images != exact.images  # cached steps really skip blocks (an approximation)
     assert np.abs(png_pixels(cached.images[0]).astype(int) - png_pixels(exact.images[0]).astype(int)).mean() < 40
     back = _run(runner)
     assert back.acceleration.cache_dit.transition == "unmount" and back.images == exact.images
@@ -132,3 +133,22 @@ def test_two_ranks_equal_one_rank(ray_cluster, layout):
     finally:
         for w in workers:
             ray.kill(w)
+
+
+@pytest.mark.slow
+def test_served_through_the_openai_sdk(deploy):
+    """configs/tiny-flux2-cpu.yaml's app: the family is detected from nothing but its config."""
+    import yaml
+    from pathlib import Path
+
+    from tests.helpers import openai_client
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny-flux2-cpu.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["replica"]["torch_threads"] = 2
+    url = deploy(args)
+    response = openai_client(url).images.generate(prompt="a red circle", size="64x48",
+                                                  extra_body={"seed": 1, "num_inference_steps": 4})
+    assert png_pixels(response.data[0].b64_json).shape == (48, 64, 3)
+    meta = response.model_extra["ditserve"]
+    assert meta["signature"].startswith("tiny-flux2 64x48 steps=4 guidance_scale=4.0")

@@ -34,9 +34,10 @@ class TinyFlux2Arch:
     must be divisible by the Ulysses degree a test wants; ``sum(axes_dims_rope)`` equals
     ``attention_head_dim``; ``max_sequence_length``: text tokens per prompt (FLUX.2: 512)."""
 
-    # cache-dit checks Fn_compute_blocks against each block list: 8 of each so its default (8) fits
+    # cache-dit checks Fn_compute_blocks against each block list: at least 8 each so its default
+    # (8) fits; more single-stream blocks, as FLUX.2 [dev] (8 + 48), leave it blocks to cache
     num_layers: int = 8
-    num_single_layers: int = 8
+    num_single_layers: int = 16
     num_attention_heads: int = 4
     attention_head_dim: int = 16
     axes_dims_rope: tuple[int, int, int, int] = (4, 4, 4, 4)
