@@ -20,6 +20,8 @@ RELIES_ON = (
     Reliance("yunchang", "set_seq_parallel_pg", "Ulysses/ring process groups"),
     Reliance("yunchang.kernels", "AttnType", "kernel names"),
     Reliance("yunchang.kernels", "select_flash_attn_impl", "the attn_processor branch"),
+    Reliance("yunchang.comm.all_to_all", "SeqAllToAll4D", "masked Ulysses attention (Qwen-Image text masks)"),
+    Reliance("yunchang.globals", "PROCESS_GROUP", "the Ulysses process group"),
 )
 
 
@@ -51,3 +53,18 @@ def long_context_attention(attn_type: str | None, attn_processor=None):
     except TypeError as exc:
         raise CompatError(f"yunchang's LongContextAttention rejected attn_processor ({exc}); ditserve is "
                           f"tested with yunchang{TESTED}") from None
+
+
+def ulysses_group():
+    """The Ulysses process group ``set_seq_parallel_pg`` made (``yunchang.globals.PROCESS_GROUP``)."""
+    from yunchang.globals import PROCESS_GROUP
+
+    return PROCESS_GROUP.ULYSSES_PG
+
+
+def seq_all_to_all(group, x, scatter_idx: int, gather_idx: int):
+    """yunchang's 4-D all-to-all: (B, S/N, H, D) → (B, S, H/N, D) with ``scatter_idx=2,
+    gather_idx=1``, and back with ``scatter_idx=1, gather_idx=2``."""
+    from yunchang.comm.all_to_all import SeqAllToAll4D
+
+    return SeqAllToAll4D.apply(group, x, scatter_idx, gather_idx)

@@ -19,8 +19,8 @@ The schedule (scheduler, timesteps, per-step plan, gate) is decided once per bat
 :func:`plan_batch`; the runner sizes Cache-DiT from it and hands it to :func:`denoise_batch`.
 
 CFG gating (``cfg_gate_step``, a fraction g < 1): after ``max(1, floor(g · steps))`` steps the guiding
-forward is skipped and the last computed delta (cond − guide) is reused:
-``cond + (scale − 1) · delta``. The idea follows CFG truncation / "CFG-Cache" step skipping
+forward is skipped and the last computed delta (cond − guide) is reused: the guided prediction is
+made from ``cond`` and ``cond − delta`` (``cond + (scale − 1) · delta`` for linear guidance). The idea follows CFG truncation / "CFG-Cache" step skipping
 used by xDiT and vLLM-Omni; g = 1 runs every step exactly as without gating.
 """
 
@@ -301,9 +301,9 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             guide = family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
             calls[step.guide] = calls.get(step.guide, 0) + 1
             delta = noise_pred - guide
-            noise_pred = guide + step.scale * delta
-        elif step.guide is not None:
-            noise_pred = noise_pred + (step.scale - 1.0) * delta
+            noise_pred = family.combine_guidance(noise_pred, guide, step.scale)
+        elif step.guide is not None:  # the guide the last delta implies: guide = cond - delta
+            noise_pred = family.combine_guidance(noise_pred, noise_pred - delta, step.scale)
             reused += 1
             if on_guide_skipped is not None:
                 on_guide_skipped(step.guide)

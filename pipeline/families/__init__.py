@@ -15,6 +15,7 @@ REGISTRY: dict[str, str] = {
     "flux": "pipeline.families.flux:FluxFamily",
     "flux-kontext": "pipeline.families.flux:FluxKontextFamily",
     "flux2": "pipeline.families.flux2:Flux2Family",
+    "qwen-image": "pipeline.families.qwen_image:QwenImageFamily",
     "wan": "pipeline.families.wan:WanFamily",
 }
 

@@ -108,6 +108,11 @@ class ModelFamily(Protocol):
         batch's ``pipeline.loop.BatchSchedule`` (the timestep to noise to); ``positions`` then
         also carry the image conditioning (opaque to the loop; has ``.to(device)``)."""
 
+    def combine_guidance(self, cond: torch.Tensor, guide: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided prediction from the conditional and the guiding one (same shape):
+        :func:`linear_guidance` for most families; a family whose pipeline rescales (Qwen-Image)
+        says so here. CFG gating calls it with ``guide = cond − last delta``."""
+
     def after_step(self, latents: torch.Tensor, positions: Any, step_index: int, scheduler,
                    timesteps: torch.Tensor) -> torch.Tensor:
         """Latents after the scheduler's step ``step_index``, as the mode wants them: inpainting
@@ -139,6 +144,12 @@ class ModelFamily(Protocol):
 
 
 COMPONENTS = ("all", "denoiser")
+
+
+def linear_guidance(cond: torch.Tensor, guide: torch.Tensor, scale: float) -> torch.Tensor:
+    """``guide + scale · (cond − guide)``: FLUX's true CFG and Wan's CFG (Ho & Salimans 2022,
+    "Classifier-Free Diffusion Guidance", arXiv:2207.12598)."""
+    return guide + scale * (cond - guide)
 
 
 def pixel_tensor(images, device, dtype) -> torch.Tensor:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, pixel_tensor, repaint_mask,
-                                    strength_timesteps, tokenizer_special_tokens, vae_config)
+from pipeline.families.base import (count_blocks, linear_guidance, load_pipeline, parameter_bytes, pixel_tensor,
+                                    repaint_mask, strength_timesteps, tokenizer_special_tokens, vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
@@ -212,6 +212,8 @@ class FluxFamily:
         dist = vae.encode(pixels.to(vae.dtype)).latent_dist
         latents = dist.mode() if generator is None else dist.sample(generator)
         return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).to(self.dtype)
+
+    combine_guidance = staticmethod(linear_guidance)
 
     def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
         """Inpainting (``FluxInpaintPipeline``): the unmasked region takes the image's latents

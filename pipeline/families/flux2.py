@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
+from pipeline.families.base import linear_guidance, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
 from pipeline.modes import DualMode, GuidanceMode
 
 TEXT_ENCODER_OUT_LAYERS = (10, 20, 30)  # Flux2Pipeline's default: the hidden states stacked per token
@@ -146,6 +146,8 @@ class Flux2Family:
             noise.append(latents)
             ids.append(latent_ids)
         return torch.cat(noise), torch.cat(ids)
+
+    combine_guidance = staticmethod(linear_guidance)
 
     def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
         """No image inputs: latents unchanged."""

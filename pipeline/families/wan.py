@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, pixel_tensor,
+from pipeline.families.base import (count_blocks, linear_guidance, load_pipeline, parameter_bytes, pixel_tensor,
                                     tokenizer_special_tokens, vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
@@ -206,6 +206,8 @@ class WanFamily:
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
         return (latents - mean) * inv_std
+
+    combine_guidance = staticmethod(linear_guidance)
 
     def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
         """Image-to-video: after the last step the first latent frame is the image's."""

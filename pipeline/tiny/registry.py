@@ -14,6 +14,7 @@ from typing import Callable
 
 from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux, ensure_tiny_flux_kontext
 from pipeline.tiny.flux2 import TINY_FLUX2, ensure_tiny_flux2
+from pipeline.tiny.qwen_image import TINY_QWEN_IMAGE, ensure_tiny_qwen_image
 from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
 
 TINY_FLUX_RANDOM = "tiny-flux-random"
@@ -53,6 +54,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "tiny-flux-kontext": EmbeddedModel("flux-kontext", lambda: ensure_tiny_flux_kontext(trained_tiny_flux())),
     # FLUX.2 [dev]-style: Mistral 3 text encoder, 4-axis ids, batch-normalised patchified latents
     TINY_FLUX2: EmbeddedModel("flux2", ensure_tiny_flux2),
+    # Qwen-Image-style: Qwen2.5-VL text encoder, masked text, norm-rescaled true CFG
+    TINY_QWEN_IMAGE: EmbeddedModel("qwen-image", ensure_tiny_qwen_image),
 }
 
 

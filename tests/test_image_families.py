@@ -1,6 +1,8 @@
-"""FLUX.2 on the embedded tiny-flux2: our loop equals diffusers' Flux2Pipeline, batches equal
-requests alone, and every acceleration (Cache-DiT through cache-dit's own FLUX.2 adapter, true
-CFG with CFG gating, kernel overrides, torch.compile after mount, sequence parallelism) runs."""
+"""The further image families on their embedded tiny models (tiny-flux2: FLUX.2 [dev]
+architecture; tiny-qwen-image: Qwen-Image): our loop equals the diffusers pipeline, batches
+equal requests alone, and every acceleration (Cache-DiT through cache-dit's own adapter for the
+transformer, true CFG with CFG gating, kernel overrides, torch.compile after mount, sequence
+parallelism) runs. Each test runs once per family."""
 
 from __future__ import annotations
 
@@ -19,31 +21,37 @@ from pipeline.cache_dit_params import CacheDiTParams
 from tests.helpers import batch_of, flux_params
 from tests.helpers import pixels as png_pixels
 
-MODEL = "tiny-flux2"
 TOL = 1e-4
+# model -> (family, spatial factor, text tokens, its reference call's extra arguments)
+FAMILIES = {"tiny-flux2": ("flux2", 4, 128), "tiny-qwen-image": ("qwen-image", 16, 1024)}
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return BatchRunner(MODEL)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def runner(request):
+    return BatchRunner(request.param)
 
 
-def params(prompt, seed, **fields):
-    return flux_params(prompt, seed, size=(64, 48), **fields)
+def params(runner, prompt, seed, **fields):
+    guidance = 3.5 if runner.family.guidance_embeds else None
+    return flux_params(prompt, seed, size=(64, 48), guidance=guidance, **fields)
 
 
 def reference(family, p) -> np.ndarray:
+    kwargs = {"max_sequence_length": family.max_sequence_length}
+    if family.guidance_embeds:
+        kwargs["guidance_scale"] = p.embedded_guidance_scale
+    if p.negative_prompt is not None:
+        kwargs.update(negative_prompt=p.negative_prompt, true_cfg_scale=p.cfg_scale)
     return family.pipe(prompt=p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
-                       guidance_scale=p.embedded_guidance_scale, num_images_per_prompt=p.n,
-                       generator=torch.Generator().manual_seed(p.seed),
-                       max_sequence_length=family.max_sequence_length, output_type="np").images
+                       num_images_per_prompt=p.n, generator=torch.Generator().manual_seed(p.seed),
+                       output_type="np", **kwargs).images
 
 
-def test_loop_equals_flux2_pipeline_and_batches_equal_each_alone(runner):
+def test_loop_equals_the_diffusers_pipeline_and_batches_equal_each_alone(runner):
     family = runner.family
-    batch = [params("a red circle", 3, n=2), params("yellow star on a blue background at night", 4, guidance=5.0),
-             params("x", 5)]
-    batch[1] = params("yellow star on a blue background at night", 4)
+    cfg = {"negative": "blurry", "true_cfg_scale": 3.0} if family.family == "qwen-image" else {}
+    batch = [params(runner, "a red circle", 3, n=2, **cfg),
+             params(runner, "yellow star on a blue background at night", 4, **cfg), params(runner, "x", 5, **cfg)]
     together = denoise_batch(family, batch).images
     for p, ours in zip(batch, together, strict=True):
         alone = denoise_batch(family, [p]).images[0]
@@ -53,18 +61,19 @@ def test_loop_equals_flux2_pipeline_and_batches_equal_each_alone(runner):
 
 def test_the_limits_come_from_the_family(runner):
     facts = runner.facts()
-    assert facts.family == "flux2" and facts.spatial_factor == 4 and facts.text_tokens == 128
-    limits = facts.limits(MODEL, {"default_size": "64x48", "default_steps": 6, "default_guidance_scale": 4.0,
+    family, factor, text_tokens = FAMILIES[runner.name]
+    assert (facts.family, facts.spatial_factor, facts.text_tokens) == (family, factor, text_tokens)
+    limits = facts.limits(runner.name, {"default_size": "64x48", "default_steps": 6, "default_guidance_scale": 4.0,
                                   "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50, "max_prompt_chars": 500,
                                   "default_num_frames": 1, "default_fps": 8, "max_frames": 1})
     from pipeline.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="multiples of 4"):
-        validate_image_request({"prompt": "x", "size": "66x48"}, limits)
+    with pytest.raises(InvalidRequestError, match=f"multiples of {factor}"):
+        validate_image_request({"prompt": "x", "size": f"{factor * 4 + 2}x48"}, limits)
 
 
 def _run(runner, **body):
-    limits = runner.facts().limits(MODEL, {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0,
+    limits = runner.facts().limits(runner.name, {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0,
                                            "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50,
                                            "max_prompt_chars": 500, "default_num_frames": 1, "default_fps": 8,
                                            "max_frames": 1})
@@ -73,7 +82,7 @@ def _run(runner, **body):
     return runner.run(batch_of(p))[0]
 
 
-def test_cache_dit_mounts_through_its_own_flux2_adapter(runner):
+def test_cache_dit_mounts_through_its_own_adapter(runner):
     exact = _run(runner)
     cached = _run(runner, enable_cache_dit=True, cache_dit_params={"scm_preset": "fast", "scm_policy": "static"})
     report = cached.acceleration.cache_dit
@@ -99,11 +108,12 @@ def test_true_cfg_with_gating_and_a_kernel_override(runner):
     assert _run(runner, **guided).images == exact.images  # back to the default kernel
 
 
-def test_compile_after_mount_once():
-    compiled = BatchRunner(MODEL, torch_compile=True, compile_backend="eager")
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_compile_after_mount_once(model):
+    compiled = BatchRunner(model, torch_compile=True, compile_backend="eager")
     on = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(scm_preset="fast",
                                                                                      scm_policy="static"))
-    limits = compiled.facts().limits(MODEL, {"default_size": "64x48", "default_steps": 8,
+    limits = compiled.facts().limits(model, {"default_size": "64x48", "default_steps": 8,
                                              "default_guidance_scale": 4.0, "max_n": 4, "max_pixels": 128 * 128,
                                              "max_steps": 50, "max_prompt_chars": 500, "default_num_frames": 1,
                                              "default_fps": 8, "max_frames": 1})
@@ -114,16 +124,20 @@ def test_compile_after_mount_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "ring_degree": 1}, {"ulysses_degree": 1, "ring_degree": 2}],
-                         ids=["ulysses2", "ring2"])
-def test_two_ranks_equal_one_rank(ray_cluster, layout):
+@pytest.mark.parametrize("model, layout", [
+    ("tiny-flux2", {"ulysses_degree": 2, "ring_degree": 1}), ("tiny-flux2", {"ulysses_degree": 1, "ring_degree": 2}),
+    ("tiny-qwen-image", {"ulysses_degree": 2, "ring_degree": 1})], ids=["flux2-ulysses2", "flux2-ring2", "qwen-ulysses2"])
+def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
+    """Prompts of different lengths: Qwen-Image's padded text is masked across the ranks."""
     from deployments.rank_worker import RankWorker
     from parallel.groups import free_port
 
-    batch = batch_of(params("a red circle", 3, negative="blurry", true_cfg_scale=3.0),
-                     params("a green star at night", 4, negative="blurry", true_cfg_scale=3.0))
-    single = BatchRunner(MODEL).denoise(batch)
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": MODEL}, {}, layout, 1) for r in range(2)]
+    runner = BatchRunner(model)
+    batch = batch_of(params(runner, "a red circle", 3, negative="blurry", true_cfg_scale=3.0),
+                     params(runner, "a green star at night on a black background", 4, negative="a very blurry photo",
+                            true_cfg_scale=3.0))
+    single = runner.denoise(batch)
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(2)]
     try:
         port = free_port()
         ray.get([w.join.remote("127.0.0.1", port) for w in workers])
@@ -136,14 +150,31 @@ def test_two_ranks_equal_one_rank(ray_cluster, layout):
 
 
 @pytest.mark.slow
-def test_served_through_the_openai_sdk(deploy):
-    """configs/tiny-flux2-cpu.yaml's app: the family is detected from nothing but its config."""
+def test_qwen_image_refuses_ring_layouts_at_startup(ray_cluster):
+    from deployments.rank_worker import RankWorker
+    from parallel.groups import free_port
+
+    layout = {"ulysses_degree": 1, "ring_degree": 2}
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": "tiny-qwen-image"}, {}, layout, 1) for r in range(2)]
+    try:
+        port = free_port()
+        with pytest.raises(ray.exceptions.RayTaskError, match="ring attention cannot carry the mask"):
+            ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file", ["tiny-flux2-cpu.yaml", "tiny-qwen-image-cpu.yaml"])
+def test_served_through_the_openai_sdk(deploy, config_file):
+    """Each family's CPU config serves through the OpenAI SDK."""
     import yaml
     from pathlib import Path
 
     from tests.helpers import openai_client
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny-flux2-cpu.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / config_file).read_text())
     args = config["applications"][0]["args"]
     args["replica"]["torch_threads"] = 2
     url = deploy(args)
@@ -151,4 +182,4 @@ def test_served_through_the_openai_sdk(deploy):
                                                   extra_body={"seed": 1, "num_inference_steps": 4})
     assert png_pixels(response.data[0].b64_json).shape == (48, 64, 3)
     meta = response.model_extra["ditserve"]
-    assert meta["signature"].startswith("tiny-flux2 64x48 steps=4 guidance_scale=4.0")
+    assert meta["signature"].startswith(f"{args['model']['name']} 64x48 steps=4 ")

@@ -1,0 +1,103 @@
+"""A random-weight tiny Qwen-Image-architecture checkpoint, written in diffusers format.
+
+Components as Qwen-Image: ``QwenImageTransformer2DModel`` (MMDiT, 3-axis rotary, text mask),
+``AutoencoderKLQwenImage`` (Wan-style causal VAE, one frame), a
+``Qwen2_5_VLForConditionalGeneration`` text encoder (Qwen2.5-VL: text model + vision tower)
+with a locally made tokenizer whose ``<|im_start|>`` / ``<|im_end|>`` are single tokens and
+which splits the pipeline's prompt template into the same 34 tokens before the user's text as
+Qwen's own tokenizer (``prompt_template_encode_start_idx``), and ``FlowMatchEulerDiscreteScheduler``
+with Qwen-Image's dynamic shifting. Built once on first use into ``$DITSERVE_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.tiny.store import arch_tag, cache_root, save_atomically
+from pipeline.tiny.tokenizers import WORDS
+
+TINY_QWEN_IMAGE = "tiny-qwen-image"
+TINY_QWEN_IMAGE_VERSION = "v1"
+TEMPLATE_WORDS = ("system user assistant Describe image detailing color shape size texture quantity text spatial "
+                  "relationships objects background").split()
+
+
+@dataclass(frozen=True)
+class TinyQwenImageArch:
+    """Architecture knobs of a random-weight Qwen-Image-style model (``num_attention_heads``
+    divisible by the Ulysses degree a test wants; ``sum(axes_dims_rope) == attention_head_dim``)."""
+
+    num_layers: int = 10  # cache-dit's default Fn_compute_blocks=8 fits, with blocks left to cache
+    num_attention_heads: int = 4
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    text_hidden_size: int = 32
+    z_dim: int = 4
+    seed: int = 0
+
+
+def qwen_tokenizer():
+    """A word-level tokenizer with Qwen's chat markers as special tokens (nothing downloaded)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "\n": 4}
+    chars = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz0123456789.,!?-':;"))
+    for token in [*WORDS, *TEMPLATE_WORDS, *chars]:
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+                                                 pre_tokenizers.Split(Regex(r"\w+|\n|[^\w\s]"), behavior="isolated")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   model_max_length=1024 + 34)
+    return fast
+
+
+def build_tiny_qwen_image_pipeline(arch: TinyQwenImageArch = TinyQwenImageArch()):
+    """Return a ``diffusers.QwenImagePipeline`` with random weights drawn from ``arch.seed`` (float32, CPU)."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer()
+    torch.manual_seed(arch.seed + 1)
+    hidden = arch.text_hidden_size
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "max_position_embeddings": 2048, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                     "bos_token_id": 0, "eos_token_id": 3, "pad_token_id": 0},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "fullatt_block_indexes": [0]},
+        vocab_size=len(tokenizer), hidden_size=hidden, bos_token_id=0, eos_token_id=3, pad_token_id=0,
+        image_token_id=len(tokenizer) - 1, video_token_id=len(tokenizer) - 2, vision_start_token_id=len(tokenizer) - 3)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    torch.manual_seed(arch.seed + 2)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * arch.z_dim, out_channels=arch.z_dim, num_layers=arch.num_layers,
+        attention_head_dim=arch.attention_head_dim, num_attention_heads=arch.num_attention_heads,
+        joint_attention_dim=hidden, axes_dims_rope=arch.axes_dims_rope)
+    torch.manual_seed(arch.seed + 3)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=arch.z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * arch.z_dim,
+                                 latents_std=[1.0] * arch.z_dim)
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler config
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+        shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential")
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ensure_tiny_qwen_image(root: Path | None = None, arch: TinyQwenImageArch = TinyQwenImageArch()) -> Path:
+    """Return the directory of a tiny Qwen-Image checkpoint for ``arch``, building it on first use."""
+    target = (root or cache_root()) / "models" / f"{TINY_QWEN_IMAGE}-{TINY_QWEN_IMAGE_VERSION}-{arch_tag(arch)}"
+    if (target / "model_index.json").exists():
+        return target
+    return save_atomically(build_tiny_qwen_image_pipeline(arch), target)
