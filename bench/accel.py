@@ -12,7 +12,7 @@ boundary experts; ``tiny-wan-paired``: both transformers every step) on short vi
 compare the decoded frames (before MP4 encoding) with the exact ones.
 
 The family rows run one block per further image family on its embedded tiny model
-(``tiny-flux2``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
+(``tiny-flux2``, ``tiny-qwen-image``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
 ``pip install -e '.[bench]'``) as ``bench/results/accel-<model>.png``.
 
     python bench/accel.py [--steps 28] [--size 64x64] [--iters 3] [--only flux|dual|families]
@@ -200,7 +200,7 @@ def dual_rows(ns) -> None:
             print(f"{name:40s} {ratio:6.2f}x {frames_psnr(a.images[0], e.images[0]):8.1f} {detail:>30s}")
 
 
-FAMILY_MODELS = ("tiny-flux2",)  # one block per further image family's embedded model
+FAMILY_MODELS = ("tiny-flux2", "tiny-qwen-image")  # one block per further image family's embedded model
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

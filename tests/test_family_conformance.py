@@ -67,8 +67,12 @@ def test_members_and_shapes_on_a_batch_of_two(family):
         assert lengths["image tokens"] == latent_frames * (p.height // f) * (p.width // f)
     else:  # packed (B, S, 4·C)
         assert latents.shape[1] == lengths["image tokens"]
-        # the family's own position ids, one row per token: FLUX.1 (S, 3), FLUX.2 (B, S, 4)
-        assert positions is None or positions.shape[-2] == latents.shape[1]
+        # the family's own position inputs: ids with one row per token (FLUX.1 (S, 3), FLUX.2
+        # (B, S, 4)) or a movable object (Qwen-Image's latent grid)
+        if isinstance(positions, torch.Tensor):
+            assert positions.shape[-2] == latents.shape[1]
+        else:
+            assert positions is None or hasattr(positions, "to")
 
     scheduler, timesteps = family.scheduler_and_timesteps(p.num_inference_steps, p)
     assert len(timesteps) == p.num_inference_steps and hasattr(scheduler, "step")
