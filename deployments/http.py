@@ -195,7 +195,7 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
     """Form fields → a JSON body.
 
     Uploads (bytes) are accepted for the fields named in ``files`` only; elsewhere a file is a
-    400 naming the field.
+    400 naming the field. An upload field given twice becomes a list, as ``name[]`` does.
 
     Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
     objects and a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``);
@@ -235,6 +235,8 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
             if not isinstance(node, list):
                 raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=path[0])
             node.append(value)
+        elif path[0] in files and parts[-1] in node:  # a repeated upload field (curl -F image=@a -F image=@b)
+            node[parts[-1]] = [*(node[parts[-1]] if isinstance(node[parts[-1]], list) else [node[parts[-1]]]), value]
         elif isinstance(node.get(parts[-1]), (dict, list)):
             raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=path[0])
         else:

@@ -248,8 +248,10 @@ def preview_steps(num_steps: int, partial_images: int) -> list[int]:
 def x0_prediction(scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, i: int) -> torch.Tensor:
     """The clean sample the model predicts at step ``i`` of a flow-matching run:
     ``x0 = x_t − σ_t · v`` for ``x_t = (1 − σ)·x0 + σ·ε`` and ``v = ε − x0`` (rectified flow,
-    arXiv 2403.03206), with σ_t from the scheduler's ``sigmas``; same shape as ``latents``."""
-    sigma = scheduler.sigmas[i].to(latents.device, latents.dtype)
+    arXiv 2403.03206), with σ_t from the scheduler's ``sigmas`` (offset by its ``begin_index``
+    when an image-to-image run skips the first steps); same shape as ``latents``."""
+    index = (getattr(scheduler, "begin_index", None) or 0) + i  # a run started late (strength) starts there
+    sigma = scheduler.sigmas[index].to(latents.device, latents.dtype)
     return latents - sigma * noise_pred
 
 

@@ -164,6 +164,20 @@ def test_image_to_image_with_the_embedded_model_moves_toward_the_prompt(flux):
         assert distance_to_blue(out) < 0.6 * before, seed
 
 
+def test_previews_of_a_shortened_run_use_the_sigmas_it_runs(flux):
+    """strength 0.5 of 8 steps starts at the 5th sigma: the x0-prediction of its first step uses
+    that sigma, not the first one of a full run."""
+    from pipeline.loop import x0_prediction
+
+    p = edit("a blue square", 2, scene("red", "circle", "yellow"), strength=0.5, steps=8)
+    schedule = plan_batch(flux, p)
+    latents, velocity = torch.ones(1, 4, 2), torch.ones(1, 4, 2)
+    start = schedule.scheduler.begin_index
+    assert start == 4
+    expected = latents - schedule.scheduler.sigmas[start] * velocity
+    assert torch.equal(x0_prediction(schedule.scheduler, latents, velocity, 0), expected)
+
+
 def test_strength_runs_fewer_steps_and_cache_dit_is_sized_for_them():
     """strength 0.5 of 8 steps runs 4: the schedule, the Cache-DiT context (an SCM mask over
     exactly those 4 steps) and the report all follow the steps that run."""

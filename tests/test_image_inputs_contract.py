@@ -167,3 +167,44 @@ def test_video_input_reference_needs_an_image_to_video_model():
     assert info.value.param == "input_reference"
     with pytest.raises(InvalidRequestError, match="input_reference"):  # an edit on a video model: the video route
         validate_edit_request({"prompt": "x", "image": picture()}, i2v)
+
+
+def test_exif_orientation_is_applied():
+    """A photo stored 64x32 with Orientation=6 (rotate 90) is used as displayed: 32x64."""
+    stored = Image.new("RGB", (64, 32), (10, 200, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", exif=exif)
+    p = edit({"image": buf.getvalue()})
+    assert (p.width, p.height) == (32, 64)
+
+
+def test_a_progressive_jpeg_scan_bomb_is_refused_before_decoding():
+    from pipeline.contract.uploads import MAX_JPEG_SCANS
+
+    base = encoded(Image.new("L", (64, 64)), "JPEG")
+    bomb = base[:-2] + b"\xff\xda" * (MAX_JPEG_SCANS + 1) + base[-2:]  # SOS markers beyond any real JPEG's
+    error = refused({"image": bomb})
+    assert error.param == "image" and "scans" in str(error)
+
+
+def test_only_fully_transparent_mask_pixels_are_repainted():
+    """OpenAI: alpha 0 marks the edit; half-transparent pixels are kept."""
+    mask = Image.new("RGBA", (64, 64), (0, 0, 0, 100))
+    mask.paste((0, 0, 0, 0), (48, 0, 64, 64))
+    alpha = edit({"image": picture(), "mask": encoded(mask)}).mask.array()[..., 0]
+    assert alpha[:, :48].min() == 255 and alpha[:, 48:].max() == 0
+
+
+def test_size_auto_is_the_images_own_size():
+    p = edit({"image": picture((96, 64)), "size": "auto"})
+    assert (p.width, p.height) == (96, 64)
+
+
+def test_a_repeated_image_form_field_becomes_a_list():
+    from deployments.http import form_to_body
+
+    body = form_to_body([("prompt", "x"), ("image", b"a"), ("image", b"b")], files=("image", "mask"))
+    assert body["image"] == [b"a", b"b"]
+    assert "at most 1" in str(refused({"image": [picture(), picture()]}))

@@ -49,8 +49,8 @@ class ImageEditRequest(ImageGenerationRequest):
     (alpha 0) mark the region to repaint, the image's size (inpainting). ``strength`` in (0, 1]:
     the share of the steps that re-noise the input (image-to-image and inpainting; 1.0 repaints
     from noise); default ``limits.default_strength`` for image-to-image, 1.0 for inpainting.
-    ``size``: the output size; when left out, the first image's own size (scaled down to
-    ``max_pixels`` and rounded down to the model's multiple). Every other field is
+    ``size``: the output size; when left out or ``"auto"``, the first image's own size (scaled
+    down to ``max_pixels`` and rounded down to the model's multiple). Every other field is
     ``POST /v1/images/generations``'.
     """
 
@@ -71,6 +71,20 @@ class ImageEditRequest(ImageGenerationRequest):
         if top is not None and len(images) > top:
             raise ValueError(f"image: {len(images)} images given; this model takes at most {top}")
         return images
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _auto_size(cls, v):
+        """OpenAI's ``size: "auto"`` (its default for edits): the image's own size."""
+        return None if v == "auto" else v
+
+    @model_validator(mode="after")
+    def _tokens_split(self, info: ValidationInfo) -> "ImageEditRequest":
+        """A given ``size`` must split across the ranks; without one the image's own size is
+        checked once decoded (``pipeline.sampling.resolve_edit``)."""
+        if self.size is not None:
+            self.check_split(limits_of(info), 1)
+        return self
 
     @field_validator("strength")
     @classmethod

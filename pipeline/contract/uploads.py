@@ -5,7 +5,9 @@ Every problem is an ``InvalidRequestError`` (400) naming the field (``image``, `
 ``input_reference``), raised before anything is queued:
 
 - not an image, or a format other than PNG, JPEG or WebP (OpenAI's accepted formats);
-- truncated or corrupt data (Pillow refuses truncated files by default);
+- truncated or corrupt data (Pillow refuses truncated files by default); a JPEG with more than
+  ``MAX_JPEG_SCANS`` scans (a progressive "scan bomb" decodes for minutes in a few MB, as
+  libjpeg-turbo's ``-maxscans`` guards against);
 - more pixels than ``limits.max_input_pixels``, read from the header *before* decoding, so
   a decompression bomb (a small file declaring a huge canvas) is never expanded; Pillow's own
   ``DecompressionBombError`` is mapped the same way;
@@ -14,15 +16,16 @@ Every problem is an ``InvalidRequestError`` (400) naming the field (``image``, `
 - a mask without an alpha channel (OpenAI's convention: alpha 0 marks the region to repaint),
   or of another size than its image.
 
-Resizing: the image is scaled to cover ``width`` × ``height`` and centre-cropped (Pillow's
-``ImageOps.fit``: Lanczos for images, nearest for masks, so a mask stays binary-edged).
+EXIF orientation is applied (a photo is used as it is displayed). Masks are binarised to
+OpenAI's convention: only fully transparent pixels (alpha 0) are repainted. Resizing: the image
+is scaled to cover ``width`` × ``height`` and centre-cropped (Pillow's ``ImageOps.fit``: Lanczos
+for images, nearest for masks, so a mask stays binary).
 """
 
 from __future__ import annotations
 
 import io
 import math
-import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -30,6 +33,7 @@ from pipeline.errors import InvalidRequestError
 from pipeline.wire import ImageArray
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # OpenAI's edits accept png, jpg and webp
+MAX_JPEG_SCANS = 100  # baseline JPEGs have 1 scan, progressive ones about 10
 _TO_RGB = {"RGB", "RGBA", "L", "LA", "P", "PA", "1", "CMYK", "YCbCr"}
 _WIDE_GREY = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 
@@ -44,22 +48,23 @@ def open_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
     if not isinstance(data, (bytes, bytearray)) or not data:
         raise _bad(field, "an image file is required (PNG, JPEG or WebP)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            width, height = image.size
-            if width * height > max_pixels:
-                raise _bad(field, f"image is {width}x{height} ({width * height} pixels); at most {max_pixels} "
-                                  "pixels are accepted (limits.max_input_pixels)", code="image_too_large")
-            image.load()
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        width, height = image.size
+        if width * height > max_pixels:
+            raise _bad(field, f"image is {width}x{height} ({width * height} pixels); at most {max_pixels} "
+                              "pixels are accepted (limits.max_input_pixels)", code="image_too_large")
+        if image.format == "JPEG" and data.count(b"\xff\xda") > MAX_JPEG_SCANS:  # SOS markers (0xFF is stuffed elsewhere)
+            raise _bad(field, f"the JPEG has more than {MAX_JPEG_SCANS} scans; re-encode it (baseline or progressive)")
+        image.load()
+        image = ImageOps.exif_transpose(image)  # as displayed
     except InvalidRequestError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except Image.DecompressionBombError:
         raise _bad(field, "image declares more pixels than are accepted (decompression bomb)",
                    code="image_too_large") from None
     except UnidentifiedImageError:
         raise _bad(field, f"not an image in an accepted format ({', '.join(f.lower() for f in FORMATS)})") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated or corrupt data
+    except (OSError, SyntaxError, ValueError, EOFError, ZeroDivisionError) as exc:  # truncated or corrupt data
         raise _bad(field, f"the image could not be decoded ({str(exc)[:120] or type(exc).__name__})") from None
     return image
 
@@ -81,14 +86,15 @@ def to_rgb(image: Image.Image, field: str) -> Image.Image:
 
 
 def alpha_of(mask: Image.Image, field: str = "mask") -> Image.Image:
-    """The mask's alpha channel as an 8-bit "L" image. Raises ``InvalidRequestError`` when
-    the mask has no alpha (OpenAI's masks mark the region to repaint with alpha 0)."""
+    """The mask's alpha channel as an 8-bit "L" image, binarised to OpenAI's convention: 0 where
+    the mask is fully transparent (repainted), 255 everywhere else (kept). Raises
+    ``InvalidRequestError`` when the mask has no alpha."""
     has_alpha = mask.mode in ("RGBA", "LA", "PA") or (mask.mode in ("P", "L", "RGB") and "transparency" in mask.info)
     if not has_alpha:
         raise _bad(field, f"the mask has no alpha channel (mode {mask.mode!r}); send a PNG with transparency "
                           "whose fully transparent pixels (alpha 0) mark the region to repaint",
                    code="invalid_mask")
-    return mask.convert("RGBA").getchannel("A")
+    return mask.convert("RGBA").getchannel("A").point(lambda a: 0 if a == 0 else 255)
 
 
 def fitted(image: Image.Image, width: int, height: int, *, mask: bool = False) -> ImageArray:
