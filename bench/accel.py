@@ -12,7 +12,7 @@ boundary experts; ``tiny-wan-paired``: both transformers every step) on short vi
 compare the decoded frames (before MP4 encoding) with the exact ones.
 
 The family rows run one block per further image family on its embedded tiny model
-(``tiny-flux2``, ``tiny-qwen-image``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
+(``tiny-flux2``, ``tiny-qwen-image``, ``tiny-z-image``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
 ``pip install -e '.[bench]'``) as ``bench/results/accel-<model>.png``.
 
     python bench/accel.py [--steps 28] [--size 64x64] [--iters 3] [--only flux|dual|families]
@@ -200,7 +200,7 @@ def dual_rows(ns) -> None:
             print(f"{name:40s} {ratio:6.2f}x {frames_psnr(a.images[0], e.images[0]):8.1f} {detail:>30s}")
 
 
-FAMILY_MODELS = ("tiny-flux2", "tiny-qwen-image")  # one block per further image family's embedded model
+FAMILY_MODELS = ("tiny-flux2", "tiny-qwen-image", "tiny-z-image")  # one block per further image family's embedded model
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -218,7 +218,11 @@ def family_rows(ns, model: str) -> None:
         p = resolve(validate_image_request(body, limits), limits)
         return Batch("bench", BatchSignature.of(p), (p,))
 
-    cfg = {"negative_prompt": "a blurry picture", "true_cfg_scale": 4.0}
+    from pipeline.modes import GuidanceMode
+
+    true_cfg = runner.family.guidance_style == GuidanceMode.TRUE_CFG
+    cfg = {"negative_prompt": "a blurry picture", **({"true_cfg_scale": 4.0} if true_cfg else {"guidance_scale": 4.0})}
+    cfg_name = "true CFG 4.0" if true_cfg else "CFG 4.0"
     rows = [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True}),
             ("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
                 "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}}),
@@ -228,8 +232,8 @@ def family_rows(ns, model: str) -> None:
                 "scm_preset": "fast", "scm_policy": "static"}}),
             ("SCM ultra (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
                 "scm_preset": "ultra", "scm_policy": "static"}}),
-            ("CFG gating 0.5 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.5}),
-            ("CFG gating 0.25 (true CFG 4.0)", cfg, {"cfg_gate_step": 0.25})]
+            (f"CFG gating 0.5 ({cfg_name})", cfg, {"cfg_gate_step": 0.5}),
+            (f"CFG gating 0.25 ({cfg_name})", cfg, {"cfg_gate_step": 0.25})]
     print(f"\n{model} ({facts.family}) {ns.size}, {ns.steps} steps, {ns.threads} threads, "
           f"median of {ns.iters} alternated runs")
     print(f"{'setting':42s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")

@@ -137,7 +137,7 @@ class BatchRunner:
             dual_mode=self.family.dual_mode, temporal_factor=self.family.temporal_factor,
             boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
             scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
-            max_input_images=self.family.max_input_images)
+            max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's

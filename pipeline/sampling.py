@@ -144,7 +144,7 @@ def _guidance(request, limits: ServingLimits) -> dict:
     if style == GuidanceMode.AUTOGUIDANCE:
         return {"guidance_mode": style, "cfg_scale": guidance_scale, "embedded_guidance_scale": None,
                 "negative_prompt": None}
-    guided = guidance_scale > 1.0  # WanPipeline.do_classifier_free_guidance
+    guided = guidance_scale > limits.cfg_threshold  # the pipeline's do_classifier_free_guidance
     return {"guidance_mode": style if guided else GuidanceMode.NONE, "cfg_scale": guidance_scale if guided else 1.0,
             "embedded_guidance_scale": None, "negative_prompt": (request.negative_prompt or "") if guided else None}
 

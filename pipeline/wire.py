@@ -75,7 +75,8 @@ class ModelFacts:
     0 for an image model. ``special_tokens``: the tokenizers' special strings.
     ``scm_preset_steps``: preset -> step counts cache-dit's mask builder accepts.
     ``input_modes``: the :class:`InputMode` values beyond text the checkpoint serves;
-    ``max_input_images``: images one request may give.
+    ``max_input_images``: images one request may give. ``cfg_threshold``: a CFG-style model
+    runs its guiding forward when ``guidance_scale`` exceeds it (Wan: 1, Z-Image: 0).
     """
 
     family: str
@@ -93,6 +94,7 @@ class ModelFacts:
     scm_preset_steps: dict = field(default_factory=dict)
     input_modes: tuple[InputMode, ...] = ()
     max_input_images: int = 1
+    cfg_threshold: float = 1.0
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -114,7 +116,7 @@ class ModelFacts:
             default_video_priority=limits.get("default_video_priority", "interactive"),
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
-            max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"])
+            max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold)
 
 
 class Report(BaseModel):

@@ -53,8 +53,10 @@ def test_members_and_shapes_on_a_batch_of_two(family):
     cond = family.encode_prompts(["a red circle", "a much longer prompt about a blue square at night"])
     assert isinstance(cond, Conditioning)
     again = cond.select(torch.tensor([1, 0, 0]))  # rows repeat per sample
+    # a leading B on every batched tensor, or one entry per sample (Z-Image's per-prompt lengths)
     leading = {t.shape[0] for t in vars(again).values() if isinstance(t, torch.Tensor) and t.dim() >= 2
                and t.shape[0] != family.max_sequence_length}
+    leading |= {len(v) for v in vars(again).values() if isinstance(v, list)}
     assert leading == {3}
 
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
@@ -65,6 +67,10 @@ def test_members_and_shapes_on_a_batch_of_two(family):
         assert latents.dim() == 5 and latents.shape[2] == latent_frames
         f = family.spatial_factor
         assert lengths["image tokens"] == latent_frames * (p.height // f) * (p.width // f)
+    elif latents.dim() == 4:  # unpacked (B, C, h, w): the transformer patchifies (Z-Image)
+        assert latents.shape[2] * latents.shape[3] % lengths["image tokens"] == 0
+        assert latents.shape[2] // (p.height // family.spatial_factor) == latents.shape[3] // (
+            p.width // family.spatial_factor)
     else:  # packed (B, S, 4·C)
         assert latents.shape[1] == lengths["image tokens"]
         # the family's own position inputs: ids with one row per token (FLUX.1 (S, 3), FLUX.2

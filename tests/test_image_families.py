@@ -1,5 +1,5 @@
 """The further image families on their embedded tiny models (tiny-flux2: FLUX.2 [dev]
-architecture; tiny-qwen-image: Qwen-Image): our loop equals the diffusers pipeline, batches
+architecture; tiny-qwen-image: Qwen-Image; tiny-z-image: Z-Image): our loop equals the diffusers pipeline, batches
 equal requests alone, and every acceleration (Cache-DiT through cache-dit's own adapter for the
 transformer, true CFG with CFG gating, kernel overrides, torch.compile after mount, sequence
 parallelism) runs. Each test runs once per family."""
@@ -18,12 +18,17 @@ from pipeline.loop import denoise_batch
 from pipeline.runner import BatchRunner
 from pipeline.sampling import AccelerationDefaults, resolve
 from pipeline.cache_dit_params import CacheDiTParams
-from tests.helpers import batch_of, flux_params
+from pipeline.modes import GuidanceMode
+from tests.helpers import batch_of
 from tests.helpers import pixels as png_pixels
 
 TOL = 1e-4
-# model -> (family, spatial factor, text tokens, its reference call's extra arguments)
-FAMILIES = {"tiny-flux2": ("flux2", 4, 128), "tiny-qwen-image": ("qwen-image", 16, 1024)}
+# model -> (family, spatial factor, text tokens)
+FAMILIES = {"tiny-flux2": ("flux2", 4, 128), "tiny-qwen-image": ("qwen-image", 16, 1024),
+            "tiny-z-image": ("z-image", 4, 128)}
+LIMITS = {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0, "max_n": 4,
+          "max_pixels": 128 * 128, "max_steps": 50, "max_prompt_chars": 500, "default_num_frames": 1,
+          "default_fps": 8, "max_frames": 1}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -31,16 +36,33 @@ def runner(request):
     return BatchRunner(request.param)
 
 
-def params(runner, prompt, seed, **fields):
-    guidance = 3.5 if runner.family.guidance_embeds else None
-    return flux_params(prompt, seed, size=(64, 48), guidance=guidance, **fields)
+def guided(runner, scale: float = 3.0) -> dict:
+    """The request fields of a guided request on this family: true CFG, or CFG on guidance_scale."""
+    if runner.family.guidance_style == GuidanceMode.TRUE_CFG:
+        return {"negative_prompt": "blurry", "true_cfg_scale": scale}
+    return {"negative_prompt": "blurry", "guidance_scale": scale}
+
+
+def unguided(runner) -> dict:
+    return {} if runner.family.guidance_style == GuidanceMode.TRUE_CFG else {"guidance_scale": 0.0}
+
+
+def params(runner, prompt, seed, **body):
+    """A request resolved through the contract, against the family's own facts."""
+    limits = runner.facts().limits(runner.name, LIMITS)
+    body = {"prompt": prompt, "seed": seed, "num_inference_steps": 6, **body}
+    return resolve(validate_image_request(body, limits), limits)
 
 
 def reference(family, p) -> np.ndarray:
     kwargs = {"max_sequence_length": family.max_sequence_length}
     if family.guidance_embeds:
         kwargs["guidance_scale"] = p.embedded_guidance_scale
-    if p.negative_prompt is not None:
+    if family.guidance_style == GuidanceMode.CFG:
+        kwargs["guidance_scale"] = p.cfg_scale if p.guided else 0.0
+        if p.guided:
+            kwargs["negative_prompt"] = p.negative_prompt
+    elif p.negative_prompt is not None:
         kwargs.update(negative_prompt=p.negative_prompt, true_cfg_scale=p.cfg_scale)
     return family.pipe(prompt=p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
                        num_images_per_prompt=p.n, generator=torch.Generator().manual_seed(p.seed),
@@ -49,9 +71,10 @@ def reference(family, p) -> np.ndarray:
 
 def test_loop_equals_the_diffusers_pipeline_and_batches_equal_each_alone(runner):
     family = runner.family
-    cfg = {"negative": "blurry", "true_cfg_scale": 3.0} if family.family == "qwen-image" else {}
+    cfg = guided(runner) if family.family != "flux2" else {}
     batch = [params(runner, "a red circle", 3, n=2, **cfg),
              params(runner, "yellow star on a blue background at night", 4, **cfg), params(runner, "x", 5, **cfg)]
+    assert all(p.guided == bool(cfg) for p in batch)
     together = denoise_batch(family, batch).images
     for p, ours in zip(batch, together, strict=True):
         alone = denoise_batch(family, [p]).images[0]
@@ -63,9 +86,7 @@ def test_the_limits_come_from_the_family(runner):
     facts = runner.facts()
     family, factor, text_tokens = FAMILIES[runner.name]
     assert (facts.family, facts.spatial_factor, facts.text_tokens) == (family, factor, text_tokens)
-    limits = facts.limits(runner.name, {"default_size": "64x48", "default_steps": 6, "default_guidance_scale": 4.0,
-                                  "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50, "max_prompt_chars": 500,
-                                  "default_num_frames": 1, "default_fps": 8, "max_frames": 1})
+    limits = facts.limits(runner.name, LIMITS)
     from pipeline.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match=f"multiples of {factor}"):
@@ -73,39 +94,37 @@ def test_the_limits_come_from_the_family(runner):
 
 
 def _run(runner, **body):
-    limits = runner.facts().limits(runner.name, {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0,
-                                           "max_n": 4, "max_pixels": 128 * 128, "max_steps": 50,
-                                           "max_prompt_chars": 500, "default_num_frames": 1, "default_fps": 8,
-                                           "max_frames": 1})
+    limits = runner.facts().limits(runner.name, LIMITS)
     p = resolve(validate_image_request({"prompt": "a red circle", "seed": 1, **body}, limits), limits,
                 AccelerationDefaults())
     return runner.run(batch_of(p))[0]
 
 
 def test_cache_dit_mounts_through_its_own_adapter(runner):
-    exact = _run(runner)
-    cached = _run(runner, enable_cache_dit=True, cache_dit_params={"scm_preset": "fast", "scm_policy": "static"})
+    exact = _run(runner, **unguided(runner))
+    cached = _run(runner, **unguided(runner), enable_cache_dit=True,
+                  cache_dit_params={"scm_preset": "fast", "scm_policy": "static"})
     report = cached.acceleration.cache_dit
     assert report.transition == "mount" and report.cached_steps > 0
     assert report.cached_steps + report.computed_steps == 8
     assert cached.images != exact.images  # cached steps really skip blocks (an approximation)
     assert np.abs(png_pixels(cached.images[0]).astype(int) - png_pixels(exact.images[0]).astype(int)).mean() < 40
-    back = _run(runner)
+    back = _run(runner, **unguided(runner))
     assert back.acceleration.cache_dit.transition == "unmount" and back.images == exact.images
     assert not cache_dit_compat.is_mounted(runner.family.transformer)
 
 
-def test_true_cfg_with_gating_and_a_kernel_override(runner):
-    guided = dict(negative_prompt="blurry", true_cfg_scale=3.0)
-    exact = _run(runner, **guided)
+def test_guidance_with_gating_and_a_kernel_override(runner):
+    body = guided(runner)
+    exact = _run(runner, **body)
     assert exact.acceleration.transformer_calls == {"transformer": 16}
-    gated = _run(runner, **guided, cfg_gate_step=0.5)
+    gated = _run(runner, **body, cfg_gate_step=0.5)
     assert gated.acceleration.cfg_gate.reused_steps == 4 and gated.images != exact.images
-    math = _run(runner, **guided, attention_backend_override="torch_math")
+    math = _run(runner, **body, attention_backend_override="torch_math")
     assert math.acceleration.attention_backend == "torch_math"
     assert {diffusers_compat.get_processor_backend(p) for p in runner.attention.layers} == {"_native_math"}
     assert np.abs(png_pixels(math.images[0]).astype(int) - png_pixels(exact.images[0]).astype(int)).max() <= 1
-    assert _run(runner, **guided).images == exact.images  # back to the default kernel
+    assert _run(runner, **body).images == exact.images  # back to the default kernel
 
 
 @pytest.mark.parametrize("model", sorted(FAMILIES))
@@ -113,10 +132,7 @@ def test_compile_after_mount_once(model):
     compiled = BatchRunner(model, torch_compile=True, compile_backend="eager")
     on = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(scm_preset="fast",
                                                                                      scm_policy="static"))
-    limits = compiled.facts().limits(model, {"default_size": "64x48", "default_steps": 8,
-                                             "default_guidance_scale": 4.0, "max_n": 4, "max_pixels": 128 * 128,
-                                             "max_steps": 50, "max_prompt_chars": 500, "default_num_frames": 1,
-                                             "default_fps": 8, "max_frames": 1})
+    limits = compiled.facts().limits(model, LIMITS)
     compiled.warmup(resolve(validate_image_request({"prompt": "x", "seed": 0}, limits), limits, on))
     assert [e[1] for e in compiled.events][:2] == ["mount", "compile"]
     _run(compiled)
@@ -133,9 +149,9 @@ def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
     from parallel.groups import free_port
 
     runner = BatchRunner(model)
-    batch = batch_of(params(runner, "a red circle", 3, negative="blurry", true_cfg_scale=3.0),
-                     params(runner, "a green star at night on a black background", 4, negative="a very blurry photo",
-                            true_cfg_scale=3.0))
+    batch = batch_of(params(runner, "a red circle", 3, **guided(runner)),
+                     params(runner, "a green star at night on a black background", 4,
+                            **{**guided(runner), "negative_prompt": "a very blurry photo"}))
     single = runner.denoise(batch)
     workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(2)]
     try:
@@ -150,15 +166,18 @@ def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
 
 
 @pytest.mark.slow
-def test_qwen_image_refuses_ring_layouts_at_startup(ray_cluster):
+@pytest.mark.parametrize("model, layout, reason", [
+    ("tiny-qwen-image", {"ulysses_degree": 1, "ring_degree": 2}, "ring attention cannot carry the mask"),
+    ("tiny-z-image", {"ulysses_degree": 2, "ring_degree": 1}, "no sequence-parallel plan")],
+    ids=["qwen-ring2", "z-image-ulysses2"])
+def test_layouts_a_family_cannot_split_are_refused_at_startup(ray_cluster, model, layout, reason):
     from deployments.rank_worker import RankWorker
     from parallel.groups import free_port
 
-    layout = {"ulysses_degree": 1, "ring_degree": 2}
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": "tiny-qwen-image"}, {}, layout, 1) for r in range(2)]
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(2)]
     try:
         port = free_port()
-        with pytest.raises(ray.exceptions.RayTaskError, match="ring attention cannot carry the mask"):
+        with pytest.raises(ray.exceptions.RayTaskError, match=reason):
             ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
     finally:
         for w in workers:
@@ -166,7 +185,7 @@ def test_qwen_image_refuses_ring_layouts_at_startup(ray_cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_file", ["tiny-flux2-cpu.yaml", "tiny-qwen-image-cpu.yaml"])
+@pytest.mark.parametrize("config_file", ["tiny-flux2-cpu.yaml", "tiny-qwen-image-cpu.yaml", "tiny-z-image-cpu.yaml"])
 def test_served_through_the_openai_sdk(deploy, config_file):
     """Each family's CPU config serves through the OpenAI SDK."""
     import yaml

@@ -34,6 +34,8 @@ class ServingLimits:
     ``max_input_images``: images one request may give; ``default_strength``: image-to-image's
     ``strength`` when a request gives none (inpainting's is 1.0: the masked region is repainted).
     ``max_input_pixels``: the most pixels an uploaded image may declare (checked before decoding).
+    ``cfg_threshold``: a CFG-style model guides when ``guidance_scale`` exceeds it (the family's
+    pipeline rule: ``WanPipeline`` 1, ``ZImagePipeline`` 0).
     """
 
     model_name: str
@@ -68,6 +70,7 @@ class ServingLimits:
     max_input_images: int = 1
     default_strength: float = 0.6
     max_input_pixels: int = 1024 * 1024
+    cfg_threshold: float = 1.0
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -51,6 +51,7 @@ class ModelFamily(Protocol):
     max_sequence_length: int                # text tokens per prompt (L)
     input_modes: tuple[InputMode, ...]      # what the checkpoint serves beyond text (image inputs)
     max_input_images: int                   # images one request may give
+    cfg_threshold: float                    # CFG style: guided when guidance_scale exceeds it (Wan 1, Z-Image 0)
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",

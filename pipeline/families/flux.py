@@ -74,6 +74,7 @@ class FluxFamily:
     pipeline_classes = ("FluxPipeline",)
     input_modes = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT)
     max_input_images = 1
+    cfg_threshold = 1.0  # only CFG-style families use it
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt

@@ -64,6 +64,7 @@ class QwenImageFamily:
     temporal_factor = 0
     input_modes = ()
     max_input_images = 1
+    cfg_threshold = 1.0  # only CFG-style families use it
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe

@@ -68,6 +68,7 @@ class WanFamily:
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     guidance_embeds = False
     max_input_images = 1
+    cfg_threshold = 1.0  # WanPipeline: guidance_scale > 1 runs the unconditional forward
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe
