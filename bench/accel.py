@@ -75,6 +75,18 @@ def main() -> None:
             family_rows(ns, model)
 
 
+def alternate(runner, exact_b: Batch, accel_b: Batch, iters: int):
+    """Run the exact and the accelerated batch alternately ``iters`` times after one warm-up
+    round of each: (last exact output, last accelerated output, median denoise-time ratio)."""
+    exact_ms, accel_ms = [], []
+    for _ in range(iters + 1):  # first round warms both paths
+        e = runner.run(exact_b)[0]
+        a = runner.run(accel_b)[0]
+        exact_ms.append(e.timings_ms["denoise"])
+        accel_ms.append(a.timings_ms["denoise"])
+    return e, a, statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+
+
 def flux_rows(ns) -> None:
     runner = BatchRunner("tiny-flux")
     limits = ServingLimits("tiny-flux", runner.facts().spatial_factor, 64, 64, ns.steps, 3.5,
@@ -112,14 +124,7 @@ def flux_rows(ns) -> None:
     print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} threads, median of {ns.iters} alternated runs")
     print(f"{'setting':42s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
     for name, base, accel in rows:
-        exact_b, accel_b = batch(base), batch({**base, **accel})
-        exact_ms, accel_ms = [], []
-        for _ in range(ns.iters + 1):  # first round warms both paths
-            e = runner.run(exact_b)[0]
-            a = runner.run(accel_b)[0]
-            exact_ms.append(e.timings_ms["denoise"])
-            accel_ms.append(a.timings_ms["denoise"])
-        ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+        e, a, ratio = alternate(runner, batch(base), batch({**base, **accel}), ns.iters)
         meta = a.acceleration
         print(f"{name:42s} {ratio:6.2f}x {psnr(a.images[0], e.images[0]):8.1f} "
               f"{meta.cache_dit.cached_steps:4d}/{ns.steps:<2d} {meta.cfg_gate.reused_steps:10d}")
@@ -239,14 +244,7 @@ def family_rows(ns, model: str) -> None:
     print(f"{'setting':42s} {'speed':>7s} {'PSNR dB':>8s} {'cached':>7s} {'cfg reused':>10s}")
     points = []
     for name, base, accel in rows:
-        exact_b, accel_b = batch(base), batch({**base, **accel})
-        exact_ms, accel_ms = [], []
-        for _ in range(ns.iters + 1):  # first round warms both paths
-            e = runner.run(exact_b)[0]
-            a = runner.run(accel_b)[0]
-            exact_ms.append(e.timings_ms["denoise"])
-            accel_ms.append(a.timings_ms["denoise"])
-        ratio = statistics.median(exact_ms[1:]) / statistics.median(accel_ms[1:])
+        e, a, ratio = alternate(runner, batch(base), batch({**base, **accel}), ns.iters)
         quality = psnr(a.images[0], e.images[0])
         points.append((name, ratio, quality))
         meta = a.acceleration
