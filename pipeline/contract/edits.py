@@ -20,9 +20,7 @@ from pipeline.errors import InvalidRequestError
 from pipeline.modes import InputMode
 from pipeline.wire import ImageArray
 
-EDIT_MODES = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT, InputMode.REFERENCE)
-MODE_PIPELINES = {InputMode.IMAGE_TO_IMAGE: "FluxImg2ImgPipeline", InputMode.INPAINT: "FluxInpaintPipeline",
-                  InputMode.REFERENCE: "FluxKontextPipeline", InputMode.IMAGE_TO_VIDEO: "WanImageToVideoPipeline"}
+EDIT_MODES = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT, InputMode.REFERENCE)  # what /v1/images/edits runs
 
 
 def strength_problem(v: float | None) -> str | None:
