@@ -172,7 +172,8 @@ def _cmd_serve(ns) -> int:
     http = config["http_options"]
     url = start_app(config["args"], host=ns.host or http["host"], port=ns.port or http["port"],
                     name=config["name"], route_prefix=config["route_prefix"])
-    print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations or /v1/videos; Ctrl-C stops)",
+    print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
+          "Ctrl-C stops)",
           flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
