@@ -267,7 +267,8 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
 
 
 class BearerAuth:
-    """ASGI middleware: with keys configured, every route but ``/health`` needs
+    """ASGI middleware: with keys configured, every route but ``/health`` and the static
+    playground page (``GET /``, whose own API calls carry the key) needs
     ``Authorization: Bearer <key>`` (OpenAI's header; the SDK's ``api_key``), compared in
     constant time; otherwise 401 in the envelope. ``/docs``, ``/redoc`` and ``/openapi.json``
     are behind it too. Keys come from :func:`load_api_keys` via ``app.state.api_keys``."""
@@ -278,7 +279,7 @@ class BearerAuth:
     async def __call__(self, scope, receive, send):
         state = scope.get("app") and scope["app"].state
         keys = getattr(state, "api_keys", ()) if scope["type"] == "http" else ()
-        if keys and not scope["path"].rstrip("/").endswith("/health"):
+        if keys and not self._public(scope):
             if not self._matches(scope, keys):
                 response = error_response(AuthenticationError(
                     "missing or invalid API key: send 'Authorization: Bearer <key>'", param=None,
@@ -288,6 +289,13 @@ class BearerAuth:
             if self._matches(scope, getattr(state, "batch_api_keys", ())):  # request.state.default_priority
                 scope.setdefault("state", {})["default_priority"] = "batch"
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _public(scope) -> bool:
+        """``/health``, and ``GET`` of the app's root (the static playground page)."""
+        path = scope["path"].rstrip("/")
+        page = path == scope.get("root_path", "").rstrip("/")
+        return path.endswith("/health") or (page and scope.get("method") == "GET")
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:

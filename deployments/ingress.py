@@ -11,9 +11,10 @@ import contextvars
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
 from deployments.config import lora_registry
@@ -32,6 +33,7 @@ from pipeline.wire import GenerationMetadata
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
 # OpenAI's video content variants served -> media type (no spritesheet)
 VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
+PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
 EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
 VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
 
@@ -307,6 +309,13 @@ class Ingress:
     @api.get("/v1/stats")
     async def http_stats(self):
         return await self.stats()
+
+    @api.get("/", response_class=HTMLResponse)
+    async def http_playground(self):
+        """The playground page: a prompt, size/steps/seed and the accelerations, streamed previews
+        and progress, the image or video with its ``ditserve`` metadata. Static (no data of the
+        server's), so it is served without auth; its API calls carry the key typed into it."""
+        return HTMLResponse(PLAYGROUND.read_text(), headers={"Cache-Control": "no-cache"})
 
     @api.get("/health")
     async def http_health(self):

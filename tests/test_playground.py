@@ -1,0 +1,85 @@
+"""The playground page (GET /) in a real headless browser: Debian's chromium and chromium-driver
+through Selenium (``make test`` installs them where missing). Load the page, submit a prompt,
+wait for the final image, check its size and that streamed previews appeared first."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from tests.helpers import TINY_ARGS
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make test installs them as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_the_page_is_static_and_fetches_nothing_from_outside(deploy):
+    url = deploy(TINY_ARGS)
+    page = httpx.get(f"{url}/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN, no outside fetch
+
+
+def test_a_prompt_streams_previews_then_the_image(deploy, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url = deploy(TINY_ARGS)
+    browser.get(f"{url}/")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys("a green star on a black background")
+    browser.find_element(By.ID, "size").clear()
+    browser.find_element(By.ID, "size").send_keys("64x48")
+    browser.find_element(By.ID, "submit").click()
+    final = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return arguments[0].complete", final))
+    size = browser.execute_script("return [arguments[0].naturalWidth, arguments[0].naturalHeight]", final)
+    assert size == [64, 48]
+    previews = browser.find_elements(By.CSS_SELECTOR, "#previews img")
+    assert len(previews) >= 1
+    metadata = browser.find_element(By.ID, "metadata").text
+    assert '"signature": "tiny-flux 64x48 steps=16' in metadata
+    assert "error" not in (browser.find_element(By.ID, "status").get_attribute("class") or "")
+
+
+def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    url = deploy({**TINY_ARGS, "auth": {"api_keys_file": str(keys)}})
+    assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the static page itself
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    browser.get(f"{url}/")
+    browser.execute_script("localStorage.clear()")
+    browser.get(f"{url}/")
+    browser.find_element(By.ID, "submit").click()  # no key: the API's 401 is shown
+    WebDriverWait(browser, 60).until(lambda d: "error" in (d.find_element(By.ID, "status").get_attribute("class")
+                                                           or ""))
+    assert "API key" in browser.find_element(By.ID, "status").text
+    browser.find_element(By.ID, "api_key").send_keys("k1")
+    browser.find_element(By.ID, "submit").click()
+    WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
