@@ -28,7 +28,9 @@ class KernelSpec:
     device. ``dtypes``: the dtypes it runs (None: any). ``exact``: computes exact softmax
     attention (False: quantised, e.g. SageAttention). ``hub_only``: diffusers offers it only as
     a kernel downloaded at run time, which ditserve never does. ``versions``: the versions of
-    ``package`` it may run with (a pip specifier; None: any).
+    ``package`` it may run with (a pip specifier; None: any). ``takes_mask``: diffusers' backend
+    accepts an attention mask (flash-attn and SageAttention raise on one): models whose batches
+    pad text with a mask (Qwen-Image, Z-Image) cannot run it.
 
     ``ring_lse``: how ring attention gets the float32 log-sum-exp it merges partial results by
     (yunchang's ``update_out_and_lse``) when this kernel runs on CUDA: ``"exact"`` — the
@@ -49,21 +51,22 @@ class KernelSpec:
     ring_lse: str | None = None
     hub_only: bool = False
     versions: str | None = None
+    takes_mask: bool = True
 
 
 KERNELS: dict[str, KernelSpec] = {spec.name: spec for spec in (
     # flash-attn: >= 2.7 for the API yunchang calls; < 2.10 because yunchang 0.6 picks that API
     # by comparing version *strings* (flash_attn.__version__ < '2.6.3'), which '2.10' passes.
     KernelSpec("fa", "flash", "FA", package="flash_attn", cuda_only=True, dtypes=("float16", "bfloat16"),
-               ring_lse="exact", versions=">=2.7,<2.10"),
+               ring_lse="exact", versions=">=2.7,<2.10", takes_mask=False),
     KernelSpec("torch_sdpa", "native", "TORCH_EFFICIENT", ring_lse="padded"),
     # SageAttention: diffusers 0.42 needs >= 2.1.1 (_REQUIRED_SAGE_VERSION); PyPI only has 1.0.6.
     KernelSpec("sage_attn", "sage", "SAGE_AUTO", package="sageattention", cuda_only=True,
-               dtypes=("float16", "bfloat16"), exact=False, versions=">=2.1.1"),
+               dtypes=("float16", "bfloat16"), exact=False, versions=">=2.1.1", takes_mask=False),
     # SageAttention 3 (Blackwell FP4): diffusers ships it only as "sage_blackwell_hub", a hub
     # kernel downloaded at run time; ditserve never downloads, so it is always refused.
     KernelSpec("sage_attn_3", "sage_blackwell_hub", None, package="sageattn3", cuda_only=True,
-               dtypes=("float16", "bfloat16"), exact=False, hub_only=True),
+               dtypes=("float16", "bfloat16"), exact=False, hub_only=True, takes_mask=False),
     # PyTorch's exact math SDPA: the CPU-capable kernel.
     KernelSpec("torch_math", "_native_math", "TORCH_MATH", ring_lse="computed"),
 )}
@@ -168,3 +171,12 @@ def default_kernel_rejections(name: str, *, device_type: str, dtype: str, ring_d
                        f"(ring_degree={ring_degree}); use one of "
                        f"{', '.join(n for n, s in KERNELS.items() if s.ring_lse)}")
     return reasons
+
+
+def mask_problem(name: str, masked: bool) -> list[str]:
+    """Why kernel ``name`` cannot serve a model whose batches carry an attention mask."""
+    spec = KERNELS.get(name)
+    if masked and spec is not None and not spec.takes_mask:
+        return ["this model's batches carry an attention mask (text padded to the longest prompt) and the "
+                "kernel takes none"]
+    return []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from compat import diffusers as compat
-from parallel.kernels import KERNELS, default_kernel_rejections, kernel_rejections
+from parallel.kernels import KERNELS, default_kernel_rejections, kernel_rejections, mask_problem
 
 
 def switchable_layers(module: torch.nn.Module) -> list:
@@ -21,22 +21,24 @@ def switchable_layers(module: torch.nn.Module) -> list:
 
 
 def replica_kernel_rejections(name: str, *, device: torch.device, dtype: torch.dtype, torch_compile: bool,
-                              num_layers: int, ring_degree: int = 1) -> list[str]:
+                              num_layers: int, ring_degree: int = 1, masked: bool = False) -> list[str]:
     """Every reason a request may not switch to kernel ``name`` on this replica: the
     registry's checks (``parallel.kernels.kernel_rejections``) plus diffusers' own requirement
-    check of its backend (a package version below diffusers' minimum, e.g. sageattention 1.x)."""
+    check of its backend (a package version below diffusers' minimum, e.g. sageattention 1.x).
+    ``masked``: the model's batches carry an attention mask (``ModelFamily.masked_attention``)."""
     reasons = kernel_rejections(name, device_type=device.type, dtype=_dtype_name(dtype),
                                 torch_compile=torch_compile, num_layers=num_layers, ring_degree=ring_degree)
-    return reasons + _diffusers_problem(name, reasons)
+    return reasons + mask_problem(name, masked) + _diffusers_problem(name, reasons)
 
 
-def default_kernel_problems(name: str, *, device: torch.device, dtype: torch.dtype, ring_degree: int = 1) -> list[str]:
+def default_kernel_problems(name: str, *, device: torch.device, dtype: torch.dtype, ring_degree: int = 1,
+                            masked: bool = False) -> list[str]:
     """Every reason the server's default kernel ``name`` cannot run on this replica: the
     rules of a request's override that do not concern switching
     (``parallel.kernels.default_kernel_rejections``) plus diffusers' requirement check."""
     reasons = default_kernel_rejections(name, device_type=device.type, dtype=_dtype_name(dtype),
                                         ring_degree=ring_degree)
-    return reasons + _diffusers_problem(name, reasons)
+    return reasons + mask_problem(name, masked) + _diffusers_problem(name, reasons)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -114,7 +114,8 @@ class BatchRunner:
         if self.default_kernel is None:
             return
         problems = default_kernel_problems(self.default_kernel, device=torch.device(self.family.device),
-                                           dtype=self.family.dtype, ring_degree=ring_degree)
+                                           dtype=self.family.dtype, ring_degree=ring_degree,
+                                           masked=self.family.masked_attention)
         if problems:
             raise ValueError(f"acceleration.attention_backend={self.default_kernel!r} cannot run on this replica "
                              f"({self.family.device}, {str(self.family.dtype).removeprefix('torch.')}): "
@@ -127,7 +128,8 @@ class BatchRunner:
         device, dtype = torch.device(self.family.device), self.family.dtype
         rejections = {name: replica_kernel_rejections(name, device=device, dtype=dtype,
                                                       torch_compile=self.torch_compile,
-                                                      num_layers=len(self.attention.layers), ring_degree=ring_degree)
+                                                      num_layers=len(self.attention.layers), ring_degree=ring_degree,
+                                                      masked=self.family.masked_attention)
                       for name in KERNELS}
         return ModelFacts(
             family=self.family_name, spatial_factor=self.family.spatial_factor,
@@ -137,7 +139,8 @@ class BatchRunner:
             dual_mode=self.family.dual_mode, temporal_factor=self.family.temporal_factor,
             boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
             scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
-            max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold)
+            max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold,
+            min_steps=self.family.min_steps, true_cfg_default=self.family.true_cfg_default)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's

@@ -135,7 +135,7 @@ def _guidance(request, limits: ServingLimits) -> dict:
     style = limits.guidance_style
     if style == GuidanceMode.TRUE_CFG:
         true_cfg_scale = getattr(request, "true_cfg_scale", None)
-        true_cfg_scale = 1.0 if true_cfg_scale is None else true_cfg_scale
+        true_cfg_scale = limits.true_cfg_default if true_cfg_scale is None else true_cfg_scale
         guided = true_cfg_scale > 1.0 and request.negative_prompt is not None
         return {"guidance_mode": style if guided else GuidanceMode.NONE,
                 "cfg_scale": true_cfg_scale if guided else 1.0,

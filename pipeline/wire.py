@@ -77,6 +77,9 @@ class ModelFacts:
     ``input_modes``: the :class:`InputMode` values beyond text the checkpoint serves;
     ``max_input_images``: images one request may give. ``cfg_threshold``: a CFG-style model
     runs its guiding forward when ``guidance_scale`` exceeds it (Wan: 1, Z-Image: 0).
+    ``min_steps``: the fewest ``num_inference_steps`` the model's scheduler runs correctly.
+    ``true_cfg_default``: a TRUE_CFG model's ``true_cfg_scale`` when a request gives a negative
+    prompt but no scale (the pipeline's default: FLUX 1.0, Qwen-Image 4.0).
     """
 
     family: str
@@ -95,6 +98,8 @@ class ModelFacts:
     input_modes: tuple[InputMode, ...] = ()
     max_input_images: int = 1
     cfg_threshold: float = 1.0
+    min_steps: int = 1
+    true_cfg_default: float = 1.0
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -116,7 +121,8 @@ class ModelFacts:
             default_video_priority=limits.get("default_video_priority", "interactive"),
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
-            max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold)
+            max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold,
+            min_steps=self.min_steps, true_cfg_default=self.true_cfg_default)
 
 
 class Report(BaseModel):

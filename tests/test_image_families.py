@@ -24,7 +24,7 @@ from tests.helpers import pixels as png_pixels
 
 TOL = 1e-4
 # model -> (family, spatial factor, text tokens)
-FAMILIES = {"tiny-flux2": ("flux2", 4, 128), "tiny-qwen-image": ("qwen-image", 16, 1024),
+FAMILIES = {"tiny-flux2": ("flux2", 4, 128), "tiny-qwen-image": ("qwen-image", 16, 512),
             "tiny-z-image": ("z-image", 4, 128)}
 LIMITS = {"default_size": "64x48", "default_steps": 8, "default_guidance_scale": 4.0, "max_n": 4,
           "max_pixels": 128 * 128, "max_steps": 50, "max_prompt_chars": 500, "default_num_frames": 1,
@@ -91,6 +91,27 @@ def test_the_limits_come_from_the_family(runner):
 
     with pytest.raises(InvalidRequestError, match=f"multiples of {factor}"):
         validate_image_request({"prompt": "x", "size": f"{factor * 4 + 2}x48"}, limits)
+
+
+def test_family_rules_reach_the_contract(runner):
+    """Kernels that take no attention mask are refused for masked families; Qwen-Image needs 2
+    steps (its scheduler's terminal stretch is 0/0 at one); Z-Image guides with guidance_scale, so
+    true_cfg_scale is refused there; Qwen-Image guides a negative prompt alone at its pipeline's 4.0."""
+    from pipeline.errors import InvalidRequestError
+
+    facts = runner.facts()
+    limits = facts.limits(runner.name, LIMITS)
+    masked = runner.family.masked_attention
+    for kernel in ("fa", "sage_attn"):
+        assert any("attention mask" in r for r in facts.attention_rejections.get(kernel, [])) == masked
+    if runner.family.family == "qwen-image":
+        with pytest.raises(InvalidRequestError, match="num_inference_steps must be between 2 and"):
+            validate_image_request({"prompt": "x", "num_inference_steps": 1}, limits)
+        p = resolve(validate_image_request({"prompt": "x", "negative_prompt": "blurry"}, limits), limits)
+        assert p.guided and p.cfg_scale == 4.0
+    if runner.family.guidance_style != GuidanceMode.TRUE_CFG:
+        with pytest.raises(InvalidRequestError, match="true_cfg_scale is not used"):
+            validate_image_request({"prompt": "x", "true_cfg_scale": 3.0}, limits)
 
 
 def _run(runner, **body):

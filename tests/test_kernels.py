@@ -134,3 +134,11 @@ def test_ring_merge_needs_the_sliced_float32_lse():
     assert _two_block_merge(lambda lse: exact_lse(_padded(lse), 40)) <= 1e-6
     rounded = _two_block_merge(lambda lse: lse.to(torch.bfloat16))  # what yunchang's cast does
     assert rounded > 100 * _two_block_merge(lambda lse: lse)
+
+
+def test_kernels_without_mask_support_are_refused_for_masked_models():
+    from parallel.kernels import mask_problem
+
+    assert mask_problem("fa", masked=True) and mask_problem("sage_attn", masked=True)
+    assert mask_problem("torch_sdpa", masked=True) == mask_problem("torch_math", masked=True) == []
+    assert mask_problem("fa", masked=False) == []

@@ -199,8 +199,9 @@ class GenerationRequest(BaseModel):
     def _steps(cls, v: int | None, info: ValidationInfo) -> int | None:
         limits = limits_of(info)
         top = limits.max_steps if limits else None
-        if v is not None and (v < 1 or (top is not None and v > top)):
-            raise ValueError(f"num_inference_steps must be between 1 and {top}, got {v}")
+        least = limits.min_steps if limits else 1
+        if v is not None and (v < least or (top is not None and v > top)):
+            raise ValueError(f"num_inference_steps must be between {least} and {top}, got {v}")
         return v
 
     @field_validator("guidance_scale")

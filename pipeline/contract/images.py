@@ -10,6 +10,7 @@ from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of,
 from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
+from pipeline.modes import GuidanceMode
 from pipeline.wire import GenerationMetadata
 
 # OpenAI's output_format values (pipeline.media.IMAGE_FORMATS encodes each; the routing
@@ -89,6 +90,10 @@ class ImageGenerationRequest(GenerationRequest):
     @field_validator("true_cfg_scale")
     @classmethod
     def _true_cfg_scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limits = limits_of(info)
+        if v is not None and limits and limits.guidance_style != GuidanceMode.TRUE_CFG:
+            raise ValueError(f"true_cfg_scale is not used by {limits.model_name!r}, which guides with guidance_scale "
+                             "(CFG on negative_prompt); leave it out")
         return guidance_scale(v, info)
 
     @model_validator(mode="after")

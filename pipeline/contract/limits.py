@@ -35,7 +35,9 @@ class ServingLimits:
     ``strength`` when a request gives none (inpainting's is 1.0: the masked region is repainted).
     ``max_input_pixels``: the most pixels an uploaded image may declare (checked before decoding).
     ``cfg_threshold``: a CFG-style model guides when ``guidance_scale`` exceeds it (the family's
-    pipeline rule: ``WanPipeline`` 1, ``ZImagePipeline`` 0).
+    pipeline rule: ``WanPipeline`` 1, ``ZImagePipeline`` 0). ``min_steps``: the fewest
+    ``num_inference_steps`` the model runs correctly. ``true_cfg_default``: the ``true_cfg_scale``
+    of a request with a negative prompt and no scale (the pipeline's default).
     """
 
     model_name: str
@@ -71,6 +73,8 @@ class ServingLimits:
     default_strength: float = 0.6
     max_input_pixels: int = 1024 * 1024
     cfg_threshold: float = 1.0
+    min_steps: int = 1
+    true_cfg_default: float = 1.0
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -52,6 +52,9 @@ class ModelFamily(Protocol):
     input_modes: tuple[InputMode, ...]      # what the checkpoint serves beyond text (image inputs)
     max_input_images: int                   # images one request may give
     cfg_threshold: float                    # CFG style: guided when guidance_scale exceeds it (Wan 1, Z-Image 0)
+    masked_attention: bool                  # batches carry an attention mask (padded text): kernels must take one
+    min_steps: int                          # the fewest num_inference_steps its scheduler runs correctly
+    true_cfg_default: float                 # TRUE_CFG style: true_cfg_scale of a negative prompt given alone
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",
@@ -216,8 +219,10 @@ def parameter_bytes(pipe) -> int:
 
 
 def tokenizer_special_tokens(*tokenizers) -> tuple[str, ...]:
-    """The sorted special-token strings of ``tokenizers`` (None entries skipped)."""
-    return tuple(sorted({t for tok in tokenizers if tok is not None for t in tok.all_special_tokens}))
+    """The sorted special-token strings of ``tokenizers`` (None entries skipped; a processor,
+    e.g. FLUX.2's PixtralProcessor, contributes its text tokenizer's)."""
+    texts = [getattr(tok, "tokenizer", tok) for tok in tokenizers if tok is not None]  # a processor's tokenizer
+    return tuple(sorted({t for tok in texts for t in tok.all_special_tokens}))
 
 
 def count_blocks(transformer: torch.nn.Module) -> int:

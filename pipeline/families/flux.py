@@ -75,6 +75,9 @@ class FluxFamily:
     input_modes = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT)
     max_input_images = 1
     cfg_threshold = 1.0  # only CFG-style families use it
+    masked_attention = False
+    min_steps = 1
+    true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
@@ -138,9 +141,13 @@ class FluxFamily:
                 "text tokens": self.max_sequence_length}
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
-        """Shard the transformer's sequence across the replica's ranks (``parallel.flux``)."""
+        """Shard the transformer's sequence across the replica's ranks (``parallel.flux``). Raises
+        ``ValueError`` when the padded T5 text cannot split evenly (the ``_cp_plan`` splits it too)."""
         from parallel.flux import enable_sequence_parallel
 
+        if self.max_sequence_length % config.world_size:
+            raise ValueError(f"FLUX.1's {self.max_sequence_length} text tokens cannot split evenly across "
+                             f"world_size={config.world_size} ranks")
         enable_sequence_parallel(self.transformer, config, mesh, rank)
 
     # -- one batch ------------------------------------------------------------------------

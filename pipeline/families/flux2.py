@@ -50,6 +50,9 @@ class Flux2Family:
     input_modes = ()
     max_input_images = 1
     cfg_threshold = 1.0  # only CFG-style families use it
+    masked_attention = False
+    min_steps = 1
+    true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
@@ -60,7 +63,9 @@ class Flux2Family:
         # Flux2Pipeline derives it from a loaded VAE (8 without one): ranks that load no VAE
         # (components="denoiser") must shape latents as rank 0 does
         pipe.vae_scale_factor = vae_scale_factor
-        self.max_sequence_length = min(512, int(pipe.tokenizer.model_max_length))
+        # FLUX.2 [dev] ships a PixtralProcessor; its text tokenizer is .tokenizer
+        tokenizer = getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer)
+        self.max_sequence_length = min(512, int(tokenizer.model_max_length))
         encoder = pipe.text_encoder
         if encoder is not None:
             layers = encoder.config.text_config.num_hidden_layers
@@ -116,9 +121,13 @@ class Flux2Family:
                 "text tokens": self.max_sequence_length}
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
-        """Shard the transformer's sequence across the replica's ranks (``parallel.flux2``)."""
+        """Shard the transformer's sequence across the replica's ranks (``parallel.flux2``). Raises
+        ``ValueError`` when the padded text cannot split evenly (the ``_cp_plan`` splits it too)."""
         from parallel.flux2 import enable_sequence_parallel
 
+        if self.max_sequence_length % config.world_size:
+            raise ValueError(f"FLUX.2's {self.max_sequence_length} text tokens cannot split evenly across "
+                             f"world_size={config.world_size} ranks")
         enable_sequence_parallel(self.transformer, config, mesh, rank)
 
     # -- one batch ------------------------------------------------------------------------

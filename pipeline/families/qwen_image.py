@@ -65,6 +65,9 @@ class QwenImageFamily:
     input_modes = ()
     max_input_images = 1
     cfg_threshold = 1.0  # only CFG-style families use it
+    masked_attention = True  # text padded to the batch's longest prompt, masked
+    min_steps = 2  # its scheduler's shift_terminal stretch divides 0 by 0 at 1 step (NaN)
+    true_cfg_default = 4.0  # QwenImagePipeline's default: a negative prompt alone guides
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
@@ -73,7 +76,8 @@ class QwenImageFamily:
         self.dtype = pipe.transformer.dtype
         self.vae_scale_factor = vae_scale_factor
         pipe.vae_scale_factor = vae_scale_factor  # the pipeline's is 8 without a loaded VAE (denoiser ranks)
-        self.max_sequence_length = int(pipe.tokenizer_max_length)  # 1024 text tokens after the template
+        # QwenImagePipeline.__call__'s default (its encoder could take tokenizer_max_length, 1024)
+        self.max_sequence_length = min(512, int(pipe.tokenizer_max_length))
         self.text_multiple = 1  # sequence parallelism: text padded to a multiple of the ranks
 
     @classmethod

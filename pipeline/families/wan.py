@@ -69,6 +69,9 @@ class WanFamily:
     guidance_embeds = False
     max_input_images = 1
     cfg_threshold = 1.0  # WanPipeline: guidance_scale > 1 runs the unconditional forward
+    masked_attention = False
+    min_steps = 1
+    true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe

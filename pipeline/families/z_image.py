@@ -52,6 +52,9 @@ class ZImageFamily:
     input_modes = ()
     max_input_images = 1
     cfg_threshold = 0.0  # ZImagePipeline.do_classifier_free_guidance: guidance_scale > 0
+    masked_attention = True  # the transformer pads captions of a batch to a common length, masked
+    min_steps = 1
+    true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     patch_size = 2
 
     def __init__(self, pipe, vae_scale_factor: int):
