@@ -109,6 +109,8 @@ def test_family_rules_reach_the_contract(runner):
             validate_image_request({"prompt": "x", "num_inference_steps": 1}, limits)
         p = resolve(validate_image_request({"prompt": "x", "negative_prompt": "blurry"}, limits), limits)
         assert p.guided and p.cfg_scale == 4.0
+        with pytest.raises(InvalidRequestError, match="guidance_scale is not used"):  # no guidance embedding
+            validate_image_request({"prompt": "x", "guidance_scale": 5.0}, limits)
     if runner.family.guidance_style != GuidanceMode.TRUE_CFG:
         with pytest.raises(InvalidRequestError, match="true_cfg_scale is not used"):
             validate_image_request({"prompt": "x", "true_cfg_scale": 3.0}, limits)

@@ -207,6 +207,11 @@ class GenerationRequest(BaseModel):
     @field_validator("guidance_scale")
     @classmethod
     def _scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        limits = limits_of(info)
+        if (v is not None and limits and limits.guidance_style == GuidanceMode.TRUE_CFG
+                and not limits.guidance_embeds):
+            raise ValueError(f"guidance_scale is not used by {limits.model_name!r} (no guidance embedding); it "
+                             "guides with true_cfg_scale on negative_prompt")
         return guidance_scale(v, info)
 
     @field_validator("timeout_s")
