@@ -85,6 +85,17 @@ SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp
 PREVIEWS = 3  # partial_images asked for by --stream-previews (OpenAI's most)
 
 
+def _image_kwargs(output: Path, size: str | None) -> dict:
+    """The SDK arguments an image call takes from the CLI: ``size`` and the ``output_format`` of
+    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); creates ``output``'s directory."""
+    kwargs = {"size": size} if size else {}
+    output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
+    if output_format != "png":
+        kwargs["output_format"] = output_format
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return kwargs
+
+
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seed: int | None = None, steps: int | None = None, extra: dict | None = None,
                    api_key: str | None = None, previews: Path | None = None, on_event=None) -> dict:
@@ -95,11 +106,7 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
     preview is written there as ``partial-<index>.<suffix>`` and ``on_event(event)`` sees every
     streamed event as it arrives."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
-    kwargs = {"size": size} if size else {}
-    output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
-    if output_format != "png":
-        kwargs["output_format"] = output_format
-    output.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = _image_kwargs(output, size)
     if previews is None:
         response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
         output.write_bytes(base64.b64decode(response.data[0].b64_json))
@@ -129,15 +136,11 @@ def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: P
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     if strength is not None:
         body["strength"] = strength
-    kwargs = {"size": size} if size else {}
-    output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
-    if output_format != "png":
-        kwargs["output_format"] = output_format
+    kwargs = _image_kwargs(output, size)
     if mask is not None:
         kwargs["mask"] = (mask.name, mask.read_bytes())
     response = client.images.edit(image=(image.name, image.read_bytes()), prompt=prompt, response_format="b64_json",
                                   extra_body=body, **kwargs)
-    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(base64.b64decode(response.data[0].b64_json))
     return (response.model_extra or {}).get("ditserve", {})
 
@@ -263,11 +266,7 @@ def _cmd_generate(ns) -> int:
     finally:
         for bar in bars:
             bar.close()
-    if rc:
-        return rc
-    print(f"wrote {ns.output}")
-    print(json.dumps(meta, indent=2))
-    return 0
+    return _written(ns.output, meta, rc)
 
 
 def _cmd_edit(ns) -> int:
@@ -275,10 +274,15 @@ def _cmd_edit(ns) -> int:
         ns.url, Path(ns.image), ns.prompt, Path(ns.output), mask=Path(ns.mask) if ns.mask else None,
         strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
         api_key=ns.api_key), ns.url)
+    return _written(ns.output, meta, rc)
+
+
+def _written(output: str, result, rc: int) -> int:
+    """A client command's end: its exit code, and on success the file written and its metadata."""
     if rc:
         return rc
-    print(f"wrote {ns.output}")
-    print(json.dumps(meta, indent=2))
+    print(f"wrote {output}")
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -305,11 +309,7 @@ def _cmd_video(ns) -> int:
                 bar.close()
 
     job, rc = _run_client(run, ns.url)
-    if rc:
-        return rc
-    print(f"wrote {ns.output}")
-    print(json.dumps(job, indent=2))
-    return 0
+    return _written(ns.output, job, rc)
 
 
 def _cmd_demo(ns) -> int:

@@ -156,6 +156,19 @@ def linear_guidance(cond: torch.Tensor, guide: torch.Tensor, scale: float) -> to
     return guide + scale * (cond - guide)
 
 
+def embedded_guidance(enabled: bool, scale: float | None, batch: int, device) -> torch.Tensor | None:
+    """A guidance-distilled model's guidance input (FLUX.1-dev, FLUX.2 [dev]): (B,) float32 of
+    ``scale``, or None when the model has no guidance embedding or no scale is given."""
+    if not enabled or scale is None:
+        return None
+    return torch.full([1], scale, device=device, dtype=torch.float32).expand(batch)
+
+
+def unchanged_latents(latents: torch.Tensor, positions, step_index: int, scheduler, timesteps) -> torch.Tensor:
+    """``ModelFamily.after_step`` of a family without image inputs: the latents as they are."""
+    return latents
+
+
 def pixel_tensor(images, device, dtype) -> torch.Tensor:
     """:class:`pipeline.wire.ImageArray` RGB images → (B, 3, H, W) in [-1, 1], as diffusers'
     ``VaeImageProcessor.preprocess`` makes them from PIL images (``/255``, then ``2x − 1``)."""

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
-from pipeline.families.base import (count_blocks, linear_guidance, load_pipeline, parameter_bytes, pixel_tensor,
-                                    repaint_mask, strength_timesteps, tokenizer_special_tokens, vae_config)
+from pipeline.families.base import (count_blocks, embedded_guidance, linear_guidance, load_pipeline, parameter_bytes,
+                                    pixel_tensor, repaint_mask, strength_timesteps, tokenizer_special_tokens,
+                                    vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
@@ -254,9 +255,7 @@ class FluxFamily:
 
     def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
         """FLUX.1-dev's distilled guidance input: (B,) float32, or None without guidance embedding."""
-        if not self.guidance_embeds or embedded_guidance_scale is None:
-            return None
-        return torch.full([1], embedded_guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
+        return embedded_guidance(self.guidance_embeds, embedded_guidance_scale, batch, self.device)
 
     @torch.no_grad()
     def predict(self, latents, t, cond: FluxConditioning, guidance, positions, *, model: str = "transformer",

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import linear_guidance, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
+from pipeline.families.base import (embedded_guidance, linear_guidance, load_pipeline, parameter_bytes,
+                                    tokenizer_special_tokens, unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
 TEXT_ENCODER_OUT_LAYERS = (10, 20, 30)  # Flux2Pipeline's default: the hidden states stacked per token
@@ -159,9 +160,7 @@ class Flux2Family:
 
     combine_guidance = staticmethod(linear_guidance)
 
-    def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
-        """No image inputs: latents unchanged."""
-        return latents
+    after_step = staticmethod(unchanged_latents)  # no image inputs
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler and its timesteps (FLUX.2's empirical ``mu`` from the
@@ -180,9 +179,7 @@ class Flux2Family:
 
     def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
         """FLUX.2's distilled guidance input: (B,) float32, or None without guidance embedding."""
-        if not self.guidance_embeds or embedded_guidance_scale is None:
-            return None
-        return torch.full([1], embedded_guidance_scale, device=self.device, dtype=torch.float32).expand(batch)
+        return embedded_guidance(self.guidance_embeds, embedded_guidance_scale, batch, self.device)
 
     @torch.no_grad()
     def predict(self, latents, t, cond: Flux2Conditioning, guidance, positions, *, model: str = "transformer",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
+from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens,
+                                    unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -155,9 +156,7 @@ class QwenImageFamily:
         grid = (1, params.height // self.spatial_factor, params.width // self.spatial_factor)
         return latents, QwenImagePositions([[grid]] * latents.shape[0])
 
-    def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
-        """No image inputs: latents unchanged."""
-        return latents
+    after_step = staticmethod(unchanged_latents)  # no image inputs
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler and its timesteps (``mu`` from the packed sequence

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import load_pipeline, parameter_bytes, tokenizer_special_tokens, vae_config
+from pipeline.families.base import (load_pipeline, parameter_bytes, tokenizer_special_tokens, unchanged_latents,
+                                    vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -131,9 +132,7 @@ class ZImageFamily:
                  for g, count in zip(generators, counts, strict=True)]
         return torch.cat(noise), None
 
-    def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
-        """No image inputs: latents unchanged."""
-        return latents
+    after_step = staticmethod(unchanged_latents)  # no image inputs
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh scheduler and its timesteps: Z-Image's sigmas ``linspace(1, 1/N, N)`` and
