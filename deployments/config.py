@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from parallel.config import ParallelConfig
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import parse_size
@@ -295,19 +296,39 @@ class ReplicaConfig(_Strict):
 
 
 class ParallelSettings(_Strict):
-    """Sequence parallelism of one replica: ``world_size = ulysses_degree × ring_degree``.
+    """Parallelism of one replica: ``world_size = cfg_degree × ulysses_degree × ring_degree``
+    ranks, a (cfg × ring × ulysses) device mesh (``parallel.config.ParallelConfig``).
 
+    ``cfg_degree`` 2: a guided step's conditional and guiding forwards run on two groups of
+    ranks, unguided batches split their images across them (``parallel.cfg``).
+    ``shard_weights``: the transformers' weights are sharded across every rank with PyTorch
+    FSDP2 (``parallel.fsdp``): about 1/world_size of them per rank, gathered block by block.
     ``rendezvous_timeout_s``: how long the ranks wait for each other to join the process group
     (seconds), counted once every rank has loaded its model.
     """
 
     ulysses_degree: int = Field(default=1, ge=1)
     ring_degree: int = Field(default=1, ge=1)
+    cfg_degree: Literal[1, 2] = 1
+    shard_weights: bool = False
     rendezvous_timeout_s: float = Field(default=600.0, gt=0)
 
     @property
     def world_size(self) -> int:
-        return self.ulysses_degree * self.ring_degree
+        return self.layout().world_size
+
+    def layout(self) -> ParallelConfig:
+        """The replica's rank layout (``parallel.config.ParallelConfig``)."""
+        return ParallelConfig.of(self.model_dump())
+
+    @model_validator(mode="after")
+    def _layout(self):
+        """Layouts no model could run (the model's own limits, e.g. heads, are checked where
+        the replica starts). Raises ``ValueError`` naming the fields."""
+        problems = [p for p in self.layout().startup_problems(num_heads=self.ulysses_degree)]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class AuthConfig(_Strict):

@@ -87,7 +87,7 @@ class RankWorker:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.rank = rank
-        self.config = ParallelConfig(**{k: v for k, v in parallel.items() if k in ("ulysses_degree", "ring_degree")})
+        self.config = ParallelConfig.of(parallel)
         self.runner = make_runner(model, acceleration, rank)
 
     @ray.method(concurrency_group="control")
@@ -99,7 +99,7 @@ class RankWorker:
     @ray.method(concurrency_group="batch")
     def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> int:
         mesh = join(self.rank, self.config, master_addr, master_port, str(self.runner.family.device), timeout_s)
-        self.runner.enable_sequence_parallel(self.config, mesh, self.rank)
+        self.runner.enable_parallel(self.config, mesh, self.rank)
         return self.rank
 
     @ray.method(concurrency_group="batch")
@@ -109,6 +109,11 @@ class RankWorker:
     @ray.method(concurrency_group="batch")
     def denoise(self, batch: Batch):
         return self.runner.denoise(batch)
+
+    @ray.method(concurrency_group="control")
+    def counters(self) -> dict:
+        """This rank's cumulative counters (``BatchRunner.counters``)."""
+        return self.runner.counters()
 
     @ray.method(concurrency_group="control")
     def cache_stats(self) -> dict:
@@ -131,8 +136,7 @@ class RankGroup:
                  rank_resources: dict, name_prefix: str, cpu_nice: int = 0):
         """Create the rank actors (they start loading at once). Raises ``ValueError`` when the
         placement group does not have one bundle per rank."""
-        self.config = ParallelConfig(ulysses_degree=parallel.get("ulysses_degree", 1),
-                                     ring_degree=parallel.get("ring_degree", 1))
+        self.config = ParallelConfig.of(parallel)
         self.rendezvous_timeout_s = float(parallel.get("rendezvous_timeout_s", 600.0))
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.config.world_size:
@@ -163,7 +167,7 @@ class RankGroup:
         joined = [w.join.remote(address, port, self.rendezvous_timeout_s) for w in self.workers]
         mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)
         ray.get(joined)
-        runner.enable_sequence_parallel(self.config, mesh, 0)
+        runner.enable_parallel(self.config, mesh, 0)
         self.runner = runner
 
     async def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None):

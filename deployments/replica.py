@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -74,8 +75,7 @@ class DiTReplica:
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        self._parallel = ParallelConfig(ulysses_degree=(parallel or {}).get("ulysses_degree", 1),
-                                        ring_degree=(parallel or {}).get("ring_degree", 1))
+        self._parallel = ParallelConfig.of(parallel)
         self._max_steps = int((limits or {}).get("max_steps", 100))
         self._ranks = None
         self._broken: str | None = None
@@ -146,6 +146,7 @@ class DiTReplica:
                 self._lora_reported[key] = value
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
+                "parallel": dataclasses.asdict(self._parallel),
                 **self._runner.state_report(), **self._runner.counters()}
 
     async def _stop_when_unwanted(self, batch_id: str, stop: threading.Event) -> None:

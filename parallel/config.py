@@ -4,39 +4,73 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CFG_DEGREES = (1, 2)  # the branches a guided step has: conditional and guiding
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """USP layout (yunchang's terms): ``world_size = ulysses_degree × ring_degree`` ranks.
+    """Layout of one replica: ``world_size = cfg_degree × ulysses_degree × ring_degree`` ranks,
+    a device mesh (cfg × ring × ulysses; rank = cfg_rank · sp_degree + ring_rank ·
+    ulysses_degree + ulysses_rank, yunchang's "Ulysses low" order).
 
-    Ulysses splits attention heads across ``ulysses_degree`` ranks with all-to-all; ring
-    attention passes K/V blocks around ``ring_degree`` ranks and merges partial results by
-    their log-sum-exp (DeepSpeed-Ulysses, arXiv 2309.14509; USP, arXiv 2405.07719).
+    Each of the ``cfg_degree`` CFG groups is one sequence-parallel group of ``sp_degree =
+    ulysses_degree × ring_degree`` ranks (USP, yunchang's terms): Ulysses splits attention heads
+    across ``ulysses_degree`` ranks with all-to-all; ring attention passes K/V blocks around
+    ``ring_degree`` ranks and merges partial results by their log-sum-exp (DeepSpeed-Ulysses,
+    arXiv 2309.14509; USP, arXiv 2405.07719). With ``cfg_degree`` 2 the conditional and guiding
+    forwards of a guided step run on different groups (CFG parallelism, as xDiT's
+    ``cfg_degree``: arXiv 2411.01738). ``shard_weights``: the transformers' weights are sharded
+    across all ``world_size`` ranks with FSDP2 (``parallel.fsdp``).
     """
 
     ulysses_degree: int = 1
     ring_degree: int = 1
+    cfg_degree: int = 1
+    shard_weights: bool = False
+
+    @classmethod
+    def of(cls, parallel: dict | None) -> "ParallelConfig":
+        """The layout of a config's ``parallel`` section (a dict; other keys ignored)."""
+        parallel = parallel or {}
+        return cls(**{k: parallel[k] for k in ("ulysses_degree", "ring_degree", "cfg_degree", "shard_weights")
+                      if k in parallel})
+
+    @property
+    def sp_degree(self) -> int:
+        """Ranks one sample's sequence is split across (one CFG group)."""
+        return self.ulysses_degree * self.ring_degree
 
     @property
     def world_size(self) -> int:
-        return self.ulysses_degree * self.ring_degree
+        return self.cfg_degree * self.sp_degree
+
+    def sequence_layout(self) -> "ParallelConfig":
+        """The layout of one CFG group: what sequence sharding (``parallel.sharding``) sees."""
+        return ParallelConfig(self.ulysses_degree, self.ring_degree)
 
     def startup_problems(self, *, num_heads: int, bundles: int | None = None) -> list[str]:
-        """Every reason this layout cannot serve a model with ``num_heads`` attention heads."""
+        """Every reason this layout cannot serve a model with ``num_heads`` attention heads,
+        each naming the ``parallel`` fields."""
         problems = []
+        if self.cfg_degree not in CFG_DEGREES:
+            problems.append(f"parallel.cfg_degree must be 1 or 2 (the two branches of a guided step), "
+                            f"got {self.cfg_degree}")
         if self.ulysses_degree < 1 or self.ring_degree < 1:
-            problems.append(f"ulysses_degree ({self.ulysses_degree}) and ring_degree ({self.ring_degree}) "
-                            "must be >= 1")
+            problems.append(f"parallel.ulysses_degree ({self.ulysses_degree}) and parallel.ring_degree "
+                            f"({self.ring_degree}) must be >= 1")
         elif num_heads % self.ulysses_degree:
             problems.append(f"the model has {num_heads} attention heads, not divisible by "
-                            f"ulysses_degree={self.ulysses_degree}")
+                            f"parallel.ulysses_degree={self.ulysses_degree}")
         if bundles is not None and bundles != self.world_size:
-            problems.append(f"world_size = ulysses_degree x ring_degree = {self.world_size} but the replica has "
-                            f"{bundles} placement-group bundles (one per rank)")
+            problems.append(f"world_size = cfg_degree x ulysses_degree x ring_degree = {self.world_size} but the "
+                            f"replica has {bundles} placement-group bundles (one per rank)")
+        if self.shard_weights and self.world_size < 2:
+            problems.append("parallel.shard_weights needs a multi-rank replica (world_size = cfg_degree x "
+                            "ulysses_degree x ring_degree >= 2)")
         return problems
 
     def split_problems(self, lengths: dict[str, int]) -> list[str]:
-        """Sequences that cannot be split evenly across the ranks (name -> token count)."""
-        n = self.world_size
-        return [f"{name} has {count} tokens, not divisible by world_size={n}"
+        """Sequences that cannot be split evenly across a CFG group's ranks (name -> token count)."""
+        n = self.sp_degree
+        return [f"{name} has {count} tokens, not divisible by the {n} sequence-parallel ranks"
                 for name, count in lengths.items() if n > 1 and count % n]

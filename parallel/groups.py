@@ -18,8 +18,10 @@ def free_port(host: str = "") -> int:
 def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, device: str,
          timeout_s: float = 300.0):
     """Join the replica's process group (NCCL on CUDA, gloo on CPU), set yunchang's
-    Ulysses/ring groups and return a ``(ring, ulysses)`` DeviceMesh for diffusers' sharding
-    hooks. Blocks until all ``world_size`` ranks have joined (raises after ``timeout_s``)."""
+    Ulysses/ring groups (one set per CFG group: yunchang's data-parallel groups) and return the
+    ``(cfg, ring, ulysses)`` DeviceMesh (diffusers' sharding hooks read its ``ring`` and
+    ``ulysses`` dimensions, CFG parallelism its ``cfg`` one). Blocks until all ``world_size``
+    ranks have joined (raises after ``timeout_s``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -32,8 +34,8 @@ def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, 
         torch.cuda.set_device(torch.device(device))
     set_seq_parallel_pg(config.ulysses_degree, config.ring_degree, rank, config.world_size)
     device_type = "cuda" if backend == "nccl" else "cpu"
-    return init_device_mesh(device_type, (config.ring_degree, config.ulysses_degree),
-                            mesh_dim_names=("ring", "ulysses"))
+    return init_device_mesh(device_type, (config.cfg_degree, config.ring_degree, config.ulysses_degree),
+                            mesh_dim_names=("cfg", "ring", "ulysses"))
 
 
 def agree_to_stop(local: bool) -> bool:

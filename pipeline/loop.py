@@ -236,7 +236,6 @@ def initial_latents(family, kept: list[SamplingParams], schedule: BatchSchedule)
     return family.prepare_latents(generators, counts, head, requests=kept, schedule=schedule)
 
 
-@torch.no_grad()
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
     """After which steps (1-based counts of finished steps) a request's ``partial_images``
     previews are made: evenly spaced over the run, before the last step, each at most once
@@ -255,9 +254,23 @@ def x0_prediction(scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, i:
     return latents - sigma * noise_pred
 
 
+class SequentialBranches:
+    """A step's forwards made one after the other on this rank: the conditional prediction,
+    then (``guided``) the guiding one (``parallel.cfg.CfgParallel`` makes them on two groups)."""
+
+    def step(self, family, step: StepPlan, guided: bool, latents, t, cond, guide_cond, guidance, positions):
+        """``(cond_pred, guide_pred or None)``, each shaped like ``latents``."""
+        noise_pred = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+        if not guided:
+            return noise_pred, None
+        return noise_pred, family.predict(latents, t, guide_cond, guidance, positions, model=step.guide,
+                                          branch="uncond")
+
+
+@torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
-                  on_preview=None, prepare=initial_latents) -> LoopOutput:
+                  on_preview=None, prepare=initial_latents, branches=None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
@@ -267,7 +280,9 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     step; when it says so the loop raises :class:`BatchCancelled`. ``encode``: how the
     prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
     encodes on rank 0 and broadcasts); ``prepare``: how the initial latents are made
-    (:func:`initial_latents`; likewise). ``on_preview(request index, partial index, images)``
+    (:func:`initial_latents`; likewise). ``branches``: who makes a step's forwards
+    (:class:`SequentialBranches`, the default: this rank makes both; a CFG-parallel runner
+    passes ``parallel.cfg.CfgParallel``). ``on_preview(request index, partial index, images)``
     receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
     the VAE decode of the x0-prediction of that request's rows only, at :func:`preview_steps`;
     only where ``decode`` is on). Raises ``ValueError`` if the batch is
@@ -275,6 +290,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     ``LoopOutput.failures``); the others run exactly as they would without it.
     """
     head = check_homogeneous(batch)
+    branches = branches or SequentialBranches()
     t0 = time.perf_counter()
     schedule = schedule or plan_batch(family, head)
     plan, scheduler, gate_at = schedule.plan, schedule.scheduler, schedule.gate_at
@@ -296,11 +312,11 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     delta, reused, calls = None, 0, {}
     for i, t in enumerate(schedule.timesteps):
         step = plan[i]
-        noise_pred = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+        guided = step.guide is not None and i < gate_at
+        guide_cond = uncond if step.guide_prompt == "negative" else cond
+        noise_pred, guide = branches.step(family, step, guided, latents, t, cond, guide_cond, guidance, positions)
         calls[step.model] = calls.get(step.model, 0) + 1
-        if step.guide is not None and i < gate_at:
-            guide_cond = uncond if step.guide_prompt == "negative" else cond
-            guide = family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
+        if guided:
             calls[step.guide] = calls.get(step.guide, 0) + 1
             delta = noise_pred - guide
             noise_pred = family.combine_guidance(noise_pred, guide, step.scale)

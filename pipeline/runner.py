@@ -21,7 +21,8 @@ from pipeline.errors import BatchCancelled, InvalidRequestError, LoraLoadError, 
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
-from pipeline.loop import BatchSchedule, LoopOutput, conditioning, denoise_batch, initial_latents, plan_batch
+from pipeline.loop import (BatchSchedule, LoopOutput, conditioning, denoise_batch, initial_latents, plan_batch,
+                           steps_per_transformer)
 from pipeline.media import encode_image, encode_mp4
 from pipeline.modes import InputMode
 from pipeline.sampling import SamplingParams
@@ -88,6 +89,8 @@ class BatchRunner:
         if torch_compile:
             configure_compile(torch.device(self.family.device))
         self.rank, self.world_size = 0, 1
+        self.parallel = None  # parallel.config.ParallelConfig of a multi-rank replica
+        self.cfg = None  # parallel.cfg.CfgParallel when cfg_degree is 2
         transformers = self.family.transformers
         hotswap = (max_loras, lora_max_rank, dict(loras)) if torch_compile and loras else None
         self.lora = LoraAdapters(self.family.pipe, transformers["transformer"], max_loaded_loras, hotswap=hotswap,
@@ -134,7 +137,9 @@ class BatchRunner:
         return ModelFacts(
             family=self.family_name, spatial_factor=self.family.spatial_factor,
             guidance_embeds=self.family.guidance_embeds, num_blocks=self.family.num_blocks,
-            attention_rejections={k: v for k, v in rejections.items() if v}, world_size=self.world_size,
+            attention_rejections={k: v for k, v in rejections.items() if v},
+            world_size=1 if self.parallel is None else self.parallel.sp_degree,
+            cfg_degree=1 if self.parallel is None else self.parallel.cfg_degree,
             text_tokens=self.family.max_sequence_length, guidance_style=self.family.guidance_style,
             dual_mode=self.family.dual_mode, temporal_factor=self.family.temporal_factor,
             boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
@@ -146,7 +151,8 @@ class BatchRunner:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's
         record of this process (``compat.torch.dynamo_counts``: graphs compiled, frames that hit
         the recompile limit and run uncompiled)."""
-        total = {"compiles": self.compiles, "attention_switches": self.attention.switches, **self.lora.counters}
+        total = {"compiles": self.compiles, "attention_switches": self.attention.switches, **self.lora.counters,
+                 **(self.cfg.counters if self.cfg is not None else {})}
         if self.torch_compile:
             total.update(torch_compat.dynamo_counts())
         for executor in self.cache.values():
@@ -170,13 +176,21 @@ class BatchRunner:
     def wanted_state(self, head: SamplingParams, schedule: BatchSchedule) -> ReplicaState:
         """The state a batch like ``head`` needs: its kernel, a Cache-DiT key for each
         transformer that runs in it, every transformer compiled when torch.compile is on."""
-        separate_cfg = schedule.separate_cfg
+        separate_cfg = {} if self.cfg is not None else schedule.separate_cfg  # CFG parallel: one call per step
         cache = tuple(sorted(
             (name, None if head.cache_dit_params is None
              else CacheKey(head.cache_dit_params.for_transformer(name), separate_cfg.get(name, False)))
-            for name, steps in schedule.run_steps.items() if steps))
+            for name, steps in self.cache_steps(schedule).items() if steps))
         compiled = frozenset(self.family.transformers) if self.torch_compile else frozenset()
         return ReplicaState(head.attention_backend or self.default_kernel, cache, compiled, head.lora)
+
+    def cache_steps(self, schedule: BatchSchedule) -> dict[str, list[int]]:
+        """Per transformer, the step indices it runs on this rank, which its Cache-DiT context is
+        sized for: the schedule's; under CFG parallelism every step (a lockstep batch keeps
+        making the guiding forward after the CFG gate, ``parallel.cfg``)."""
+        if self.cfg is None:
+            return schedule.run_steps
+        return steps_per_transformer(schedule.plan, len(schedule.plan))
 
     def _execute(self, batch_id: str, action: Action, head: SamplingParams | None,
                  schedule: BatchSchedule | None) -> None:
@@ -202,9 +216,10 @@ class BatchRunner:
                 if kind == ActionKind.UNMOUNT:
                     executor.unmount()
                 elif kind == ActionKind.REFRESH:
-                    executor.refresh(action.key, steps, schedule.run_steps[name])
+                    executor.refresh(action.key, steps, self.cache_steps(schedule)[name])
                 else:
-                    executor.mount(action.key, steps, schedule.run_steps[name], remount=kind == ActionKind.REMOUNT)
+                    executor.mount(action.key, steps, self.cache_steps(schedule)[name],
+                                   remount=kind == ActionKind.REMOUNT)
             except Exception:
                 self.reset_cache()
                 raise
@@ -214,7 +229,7 @@ class BatchRunner:
     def prepare_state(self, batch_id: str, head: SamplingParams, schedule: BatchSchedule) -> None:
         """Move this rank to the state the batch wants, executing ``plan_transition``'s actions.
         Raises what an action raises (a failed Cache-DiT action leaves every transformer unmounted)."""
-        self.run_steps = schedule.run_steps
+        self.run_steps = self.cache_steps(schedule)
         loads = self.lora.counters["lora_loads"]
         wanted = self.wanted_state(head, schedule)
         actions = plan_transition(self.state, wanted)
@@ -246,19 +261,27 @@ class BatchRunner:
         it is the default) before torch.compile traces the path real requests take."""
         self.run(Batch("warmup", BatchSignature.of(head), (head,)))
 
-    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
-        """Make this runner one rank of a sequence-parallel replica (after joining the group).
-        Raises ``ValueError`` when the layout cannot serve this model."""
+    def enable_parallel(self, config, mesh, rank: int) -> None:
+        """Make this runner rank ``rank`` of a multi-rank replica (after joining the group): its
+        sequence sharded across its CFG group's ``sp_degree`` ranks (the family's
+        ``enable_sequence_parallel``), CFG parallelism across the ``cfg_degree`` groups
+        (``parallel.cfg``). Raises ``ValueError`` when the layout cannot serve this model."""
         problems = config.startup_problems(num_heads=self.family.num_attention_heads)
         if problems:
             raise ValueError("; ".join(problems))
         self.check_default_kernel(config.ring_degree)
         self.rank = rank
         self.world_size = config.world_size
-        self.family.enable_sequence_parallel(config, mesh, rank)
-        self.attention = AttentionSwitch(list(self.family.transformers.values()))  # the processors were replaced
-        if self.state.attention_backend is not None:
-            self.attention.apply(self.attention.prepare(self.state.attention_backend))
+        self.parallel = config
+        if config.sp_degree > 1:
+            self.family.enable_sequence_parallel(config.sequence_layout(), mesh, rank % config.sp_degree)
+            self.attention = AttentionSwitch(list(self.family.transformers.values()))  # the processors were replaced
+            if self.state.attention_backend is not None:
+                self.attention.apply(self.attention.prepare(self.state.attention_backend))
+        if config.cfg_degree > 1:
+            from parallel.cfg import CfgParallel
+
+            self.cfg = CfgParallel(mesh["cfg"].get_group(), rank // config.sp_degree)
 
     def stop_check(self, local=None):
         """The per-step stop decision of a batch: ``local()`` on a single rank; on several
@@ -279,12 +302,16 @@ class BatchRunner:
         head = batch.requests[0]
         schedule = plan_batch(self.family, head)
         self.prepare_state(batch.batch_id, head, schedule)
+        if self.cfg is not None:  # see parallel.cfg: lockstep when every rank must make the same collectives
+            self.cfg.lockstep = self.parallel.shard_weights or any(key is not None for _, key in self.state.cache_dit)
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
-                                 on_guide_skipped=self._guide_skipped, decode=self.rank == 0, on_preview=on_preview,
+                                 on_guide_skipped=self._guide_skipped if self.cfg is None else None,
+                                 decode=self.rank == 0, on_preview=on_preview,
                                  should_stop=self.stop_check(should_stop),
                                  encode=conditioning if self.world_size == 1 else self._shared_conditioning,
-                                 prepare=initial_latents if self.world_size == 1 else self._shared_latents)
+                                 prepare=initial_latents if self.world_size == 1 else self._shared_latents,
+                                 branches=self.cfg)
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception:

@@ -79,7 +79,8 @@ class ModelFacts:
     runs its guiding forward when ``guidance_scale`` exceeds it (Wan: 1, Z-Image: 0).
     ``min_steps``: the fewest ``num_inference_steps`` the model's scheduler runs correctly.
     ``true_cfg_default``: a TRUE_CFG model's ``true_cfg_scale`` when a request gives a negative
-    prompt but no scale (the pipeline's default: FLUX 1.0, Qwen-Image 4.0).
+    prompt but no scale (the pipeline's default: FLUX 1.0, Qwen-Image 4.0). ``world_size``: the
+    ranks one sample's sequence is split across (a CFG group's); ``cfg_degree``: CFG groups.
     """
 
     family: str
@@ -100,6 +101,7 @@ class ModelFacts:
     cfg_threshold: float = 1.0
     min_steps: int = 1
     true_cfg_default: float = 1.0
+    cfg_degree: int = 1
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -122,7 +124,7 @@ class ModelFacts:
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
             max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold,
-            min_steps=self.min_steps, true_cfg_default=self.true_cfg_default)
+            min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree)
 
 
 class Report(BaseModel):

@@ -31,7 +31,7 @@ def test_layout_checks():
         "the model has 4 attention heads, not divisible by ulysses_degree=3"]
     assert "2 placement-group bundles" in ParallelConfig(2, 2).startup_problems(num_heads=4, bundles=2)[0]
     assert ParallelConfig(2, 2).split_problems({"image tokens": 70, "text tokens": 32}) == [
-        "image tokens has 70 tokens, not divisible by world_size=4"]
+        "image tokens has 70 tokens, not divisible by the 4 sequence-parallel ranks"]
 
 
 def test_a_rank_runs_on_the_gpu_ray_gave_it():
@@ -201,10 +201,15 @@ def test_bad_topology_fails_at_startup(ray_cluster):
     serve.delete("bad-topology")
 
 
+CFG2 = {**SP2, "parallel": {"cfg_degree": 2}}
+
+
 @pytest.mark.slow
-def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy):
-    url = deploy(SP2, fresh=True)
-    slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 40, "size": "256x256"}
+@pytest.mark.parametrize("layout", [SP2, CFG2], ids=["ulysses2", "cfg2"])
+def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout):
+    url = deploy(layout, fresh=True)
+    slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 40, "size": "256x256", "negative_prompt": "blurry",
+            "true_cfg_scale": 2.0}  # guided: both CFG groups busy
     with httpx.Client(timeout=300) as client:
         import threading
 

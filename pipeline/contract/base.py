@@ -253,6 +253,12 @@ class GenerationRequest(BaseModel):
         if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
             problems.append("cache_dit_params.secondary is only for models with two transformers; "
                             f"{limits.model_name!r} has one")
+        elif params.secondary is not None and limits.dual_mode == DualMode.PAIRED and limits.cfg_degree > 1:
+            # the two transformers run on the two CFG groups at once, and cache-dit's decisions are one
+            # all-reduce over both: their knobs must call it at the same steps (parallel.cfg)
+            problems.append("cache_dit_params.secondary cannot be set on this replica: its paired transformers "
+                            "run in parallel (parallel.cfg_degree=2) and share every Cache-DiT decision; give "
+                            "the knobs once, for both")
         if limits.num_blocks:
             for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
                 knobs = params.for_transformer(name)

@@ -37,7 +37,8 @@ class ServingLimits:
     ``cfg_threshold``: a CFG-style model guides when ``guidance_scale`` exceeds it (the family's
     pipeline rule: ``WanPipeline`` 1, ``ZImagePipeline`` 0). ``min_steps``: the fewest
     ``num_inference_steps`` the model runs correctly. ``true_cfg_default``: the ``true_cfg_scale``
-    of a request with a negative prompt and no scale (the pipeline's default).
+    of a request with a negative prompt and no scale (the pipeline's default). ``cfg_degree``: the
+    replica's CFG parallelism (2: a guided step's branches run on two groups of ranks).
     """
 
     model_name: str
@@ -75,6 +76,7 @@ class ServingLimits:
     cfg_threshold: float = 1.0
     min_steps: int = 1
     true_cfg_default: float = 1.0
+    cfg_degree: int = 1
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -123,6 +123,11 @@ class ModelFamily(Protocol):
         blends the re-noised unmasked region back, image-to-video its conditioned first frame
         after the last step; otherwise ``latents`` unchanged."""
 
+    def select_positions(self, positions: Any, index: torch.Tensor) -> Any:
+        """``positions`` of the sample rows ``index`` (an int64 tensor), as ``prepare_latents``
+        makes them for those samples alone (CFG parallelism splits a batch's rows across its
+        two groups): per-sample parts indexed, shared ones (FLUX's position ids) as they are."""
+
     def scheduler_and_timesteps(self, num_inference_steps: int, params) -> tuple[Any, torch.Tensor]:
         """A fresh scheduler for one batch of ``params``' size and its timesteps
         ((num_inference_steps,) float32, the values the transformer is called with)."""
@@ -167,6 +172,12 @@ def embedded_guidance(enabled: bool, scale: float | None, batch: int, device) ->
 def unchanged_latents(latents: torch.Tensor, positions, step_index: int, scheduler, timesteps) -> torch.Tensor:
     """``ModelFamily.after_step`` of a family without image inputs: the latents as they are."""
     return latents
+
+
+def shared_positions(positions, index: torch.Tensor):
+    """``ModelFamily.select_positions`` of a family whose positions have no per-sample part
+    (None, or ids every sample shares): ``positions`` unchanged."""
+    return positions
 
 
 def pixel_tensor(images, device, dtype) -> torch.Tensor:

@@ -224,6 +224,15 @@ class FluxFamily:
 
     combine_guidance = staticmethod(linear_guidance)
 
+    @staticmethod
+    def select_positions(positions, index: torch.Tensor):
+        """img_ids are shared by every sample; image inputs' per-sample latents are indexed."""
+        if not isinstance(positions, FluxImageInputs):
+            return positions
+        rows = [None if x is None else x[index] for x in (positions.reference, positions.image_latents,
+                                                           positions.noise, positions.mask)]
+        return FluxImageInputs(positions.img_ids, *rows)
+
     def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
         """Inpainting (``FluxInpaintPipeline``): the unmasked region takes the image's latents
         re-noised to the next timestep (the image itself after the last step)."""

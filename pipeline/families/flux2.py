@@ -162,6 +162,11 @@ class Flux2Family:
 
     after_step = staticmethod(unchanged_latents)  # no image inputs
 
+    @staticmethod
+    def select_positions(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the latent ids (B, S, 4)."""
+        return positions[index]
+
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler and its timesteps (FLUX.2's empirical ``mu`` from the
         packed sequence length and the step count, as ``Flux2Pipeline``)."""

@@ -158,6 +158,11 @@ class QwenImageFamily:
 
     after_step = staticmethod(unchanged_latents)  # no image inputs
 
+    @staticmethod
+    def select_positions(positions: QwenImagePositions, index: torch.Tensor) -> QwenImagePositions:
+        """The latent grids of samples ``index``."""
+        return QwenImagePositions([positions.img_shapes[i] for i in index.tolist()])
+
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler and its timesteps (``mu`` from the packed sequence
         length, as ``QwenImagePipeline``)."""

@@ -213,6 +213,13 @@ class WanFamily:
 
     combine_guidance = staticmethod(linear_guidance)
 
+    @staticmethod
+    def select_positions(positions, index: torch.Tensor):
+        """None for text-to-video; image-to-video's conditions of samples ``index``."""
+        if positions is None:
+            return None
+        return WanImageInputs(positions.condition[index], positions.mask)
+
     def after_step(self, latents, positions, step_index: int, scheduler, timesteps):
         """Image-to-video: after the last step the first latent frame is the image's."""
         if not isinstance(positions, WanImageInputs) or step_index < len(timesteps) - 1:

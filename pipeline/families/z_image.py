@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import (load_pipeline, parameter_bytes, tokenizer_special_tokens, unchanged_latents,
-                                    vae_config)
+from pipeline.families.base import (load_pipeline, parameter_bytes, shared_positions, tokenizer_special_tokens,
+                                    unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -133,6 +133,7 @@ class ZImageFamily:
         return torch.cat(noise), None
 
     after_step = staticmethod(unchanged_latents)  # no image inputs
+    select_positions = staticmethod(shared_positions)  # no position ids
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh scheduler and its timesteps: Z-Image's sigmas ``linspace(1, 1/N, N)`` and

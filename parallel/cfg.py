@@ -1,0 +1,97 @@
+"""CFG parallelism: the two branches of a guided step on two groups of ranks.
+
+A replica with ``cfg_degree`` 2 is two sequence-parallel groups (``parallel.config``). Per
+denoising step (``pipeline.loop.denoise_batch`` calls :meth:`CfgParallel.step`):
+
+- **guided step**: group 0 makes the conditional forward, group 1 the guiding one (negative
+  prompt, or the paired second transformer); one all-gather over the ``cfg`` mesh dimension
+  gives every rank both predictions, which the loop combines as on one rank (xDiT's CFG
+  parallel, arXiv 2411.01738; SGLang and vLLM-Omni do the same);
+- **unguided step** (no CFG, or after the CFG gate): the batch's sample rows are split across
+  the groups (``torch.tensor_split``: group 0 takes the larger half) and all-gathered; a batch
+  of one sample runs on group 0 alone and is broadcast to group 1 (counted as ``lone``);
+- **lockstep** (the batch runs Cache-DiT, or the weights are FSDP-sharded across the
+  replica): every rank must make the same collective calls per step (cache-dit all-reduces
+  its cache decision over the whole process group, so every rank decides the same; FSDP
+  all-gathers each block's weights over it). Unguided steps then run whole on both groups
+  (group 0's prediction is broadcast), and after the CFG gate group 1 keeps making its
+  guiding forward, unused, so its Cache-DiT context stays in step; the loop reuses the gate's
+  delta exactly as on one rank.
+
+Every rank ends each step with the same predictions, so the scheduler steps agree everywhere
+and rank 0 decodes alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("branches", "rows", "lone", "lockstep")  # how a step ran (counters in /v1/stats)
+
+
+class CfgParallel:
+    """One rank's view of CFG parallelism: its CFG group (``cfg_rank`` 0 or 1) and the
+    process group of the two ranks that hold the same sequence shard in either CFG group
+    (the mesh's ``cfg`` dimension). ``lockstep``: see the module docstring (set per batch)."""
+
+    def __init__(self, group, cfg_rank: int):
+        self.group = group
+        self.cfg_rank = cfg_rank
+        self.source = dist.get_global_rank(group, 0)  # group 0's rank of this pair
+        self.lockstep = False
+        self.counters = {f"cfg_parallel_{kind}_steps": 0 for kind in KINDS}
+
+    def _count(self, kind: str) -> None:
+        self.counters[f"cfg_parallel_{kind}_steps"] += 1
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Group 0's ``tensor`` on both ranks of the pair (same shape and dtype on both)."""
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, src=self.source, group=self.group)
+        return tensor
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Both ranks' ``tensor`` (same shape on both), group 0's first."""
+        tensor = tensor.contiguous()
+        pieces = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(pieces, tensor, group=self.group)
+        return pieces
+
+    def step(self, family, step, guided: bool, latents: torch.Tensor, t: torch.Tensor, cond, guide_cond, guidance,
+             positions) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step's predictions ``(cond_pred, guide_pred or None)``, each shaped like
+        ``latents`` (B, ...), identical on every rank. ``step``: a ``pipeline.loop.StepPlan``;
+        ``guided``: the step makes its guiding forward (before the CFG gate)."""
+        if guided:
+            if self.cfg_rank == 0:
+                own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+            else:
+                own = family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
+            self._count("branches")
+            cond_pred, guide_pred = self._gather(own)
+            return cond_pred, guide_pred
+        if self.lockstep:
+            if step.guide is not None and self.cfg_rank == 1:  # after the gate: keeps its context in step
+                family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
+                own = torch.empty_like(latents)
+            else:
+                own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+            self._count("lockstep")
+            return self._broadcast(own), None
+        batch = latents.shape[0]
+        if batch == 1:
+            own = latents
+            if self.cfg_rank == 0:
+                own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
+            self._count("lone")
+            return self._broadcast(own.clone() if own is latents else own), None
+        halves = torch.tensor_split(torch.arange(batch), 2)
+        mine = halves[self.cfg_rank]
+        rows = family.predict(latents[mine], t, cond.select(mine), None if guidance is None else guidance[mine],
+                              family.select_positions(positions, mine), model=step.model, branch="cond")
+        padded = torch.empty_like(latents[:len(halves[0])])  # group 0's half is the larger
+        padded[:len(mine)] = rows
+        first, second = self._gather(padded)
+        self._count("rows")
+        return torch.cat([first[:len(halves[0])], second[:len(halves[1])]]), None

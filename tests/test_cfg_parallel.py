@@ -1,0 +1,157 @@
+"""CFG parallelism on CPU (``parallel.cfg``): real Ray rank actors, gloo, yunchang.
+
+Each layout is built once per module and checked against one rank on guided and unguided
+batches (rows split across the CFG groups, a lone image, the CFG gate) for FLUX and Wan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import ray
+
+from deployments.rank_worker import RankWorker
+from parallel.config import ParallelConfig
+from parallel.groups import free_port
+from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.runner import BatchRunner
+from tests.helpers import batch_of
+from tests.helpers import flux_params as params
+from tests.helpers import video_params
+
+pytestmark = pytest.mark.slow
+
+GUIDED = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=4)
+TOLERANCE = 1e-4  # float32 pixels in [0, 1]: the same forwards, gathered instead of run in turn
+
+
+def _ranks(layout: dict, model: str = "tiny-flux"):
+    config = ParallelConfig.of(layout)
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1)
+               for r in range(config.world_size)]
+    port = free_port()
+    ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
+    return workers
+
+
+def _run(workers, batch):
+    return ray.get([w.denoise.remote(batch) for w in workers], timeout=300)
+
+
+def _close(single, parallel):
+    for a, b in zip(single.images, parallel.images, strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def flux_single():
+    return BatchRunner("tiny-flux")
+
+
+@pytest.fixture(scope="module", params=[{"cfg_degree": 2}, {"cfg_degree": 2, "ulysses_degree": 2}],
+                ids=["cfg2", "cfg2xulysses2"])
+def flux_cfg(request, ray_cluster):
+    workers = _ranks(request.param)
+    yield workers
+    for w in workers:
+        ray.kill(w)
+
+
+def test_layout_of_a_cfg_replica():
+    config = ParallelConfig(ulysses_degree=2, cfg_degree=2)
+    assert (config.world_size, config.sp_degree, config.sequence_layout().world_size) == (4, 2, 2)
+    assert ParallelConfig(cfg_degree=3).startup_problems(num_heads=4) == [
+        "parallel.cfg_degree must be 1 or 2 (the two branches of a guided step), got 3"]
+    assert "parallel.shard_weights needs a multi-rank replica" in ParallelConfig(
+        shard_weights=True).startup_problems(num_heads=4)[0]
+
+
+def test_guided_batch_equals_one_rank(flux_single, flux_cfg):
+    batch = batch_of(params("a red circle", 3, **GUIDED), params("a green star at night", 4, n=2, **GUIDED))
+    outs = _run(flux_cfg, batch)
+    _close(flux_single.denoise(batch), outs[0])
+    assert all(o.images == [] for o in outs[1:])  # rank 0 decodes alone
+    counters = ray.get(flux_cfg[0].counters.remote())
+    assert counters["cfg_parallel_branches_steps"] >= 4
+
+
+def test_unguided_batch_splits_its_rows_and_a_lone_image_runs_on_group_0(flux_single, flux_cfg):
+    before = ray.get(flux_cfg[0].counters.remote())
+    rows = batch_of(params("a red circle", 3, size=(64, 64), steps=3),
+                    params("a blue square", 5, n=2, size=(64, 64), steps=3))
+    _close(flux_single.denoise(rows), _run(flux_cfg, rows)[0])
+    lone = batch_of(params("a red circle", 3, size=(64, 64), steps=3))
+    _close(flux_single.denoise(lone), _run(flux_cfg, lone)[0])
+    after = ray.get(flux_cfg[0].counters.remote())
+    assert after["cfg_parallel_rows_steps"] - before["cfg_parallel_rows_steps"] == 3
+    assert after["cfg_parallel_lone_steps"] - before["cfg_parallel_lone_steps"] == 3
+
+
+def test_cfg_gate_reuses_the_delta_as_on_one_rank(flux_single, flux_cfg):
+    gated = batch_of(*(dataclasses.replace(params(f"prompt {s}", s, **GUIDED), cfg_gate_fraction=0.5)
+                       for s in (1, 2)))
+    single = flux_single.denoise(gated)
+    assert single.cfg_reused_steps == 2
+    out = _run(flux_cfg, gated)[0]
+    assert out.cfg_reused_steps == 2
+    _close(single, out)
+
+
+def test_cache_dit_runs_in_lockstep_with_the_same_decisions_on_every_rank(flux_cfg):
+    """cache-dit reduces its decision statistic over the whole process group, so both CFG
+    groups (each seeing its own branch) decide the same steps; with the CFG gate group 1 keeps
+    calling its context so the collectives stay in step (no hang)."""
+    key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.5)
+    for gate in (1.0, 0.5):
+        p = dataclasses.replace(params("a red circle", 3, negative="blurry", true_cfg_scale=3.0, size=(64, 64),
+                                       steps=8), enable_cache_dit=True, cache_dit_params=key, cfg_gate_fraction=gate)
+        out = _run(flux_cfg, batch_of(p))[0]
+        assert np.isfinite(out.images[0]).all()
+        stats = ray.get([w.cache_stats.remote() for w in flux_cfg])
+        assert all(s["cached_steps"] == stats[0]["cached_steps"] for s in stats)
+        assert all(s["residual_diffs"] == stats[0]["residual_diffs"] for s in stats)
+    counters = ray.get(flux_cfg[0].counters.remote())
+    assert counters["cfg_parallel_lockstep_steps"] >= 4
+
+
+def test_wan_guided_video_with_boundary_experts_equals_one_rank(ray_cluster):
+    runner = BatchRunner("tiny-wan-moe")
+    fields = dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=4, size="64x64")
+    batch = batch_of(video_params(runner.family, "a red circle", 3, **fields),
+                     video_params(runner.family, "a green star at night", 4, **fields))
+    single = runner.denoise(batch)
+    workers = _ranks({"cfg_degree": 2}, model="tiny-wan-moe")
+    try:
+        out = _run(workers, batch)[0]
+        assert out.calls == single.calls
+        _close(single, out)
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def test_cfg_replica_serves_and_reports_its_layout(deploy):
+    """configs/tiny-cpu-cfg2.yaml's layout behind Serve: guided and unguided requests answered,
+    the layout and how its steps ran in /v1/stats."""
+    import httpx
+
+    from tests.test_parallel import CFG2
+
+    url = deploy(CFG2)
+    guided = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 3, "negative_prompt": "blurry",
+              "true_cfg_scale": 2.0}
+    for body in (guided, {"prompt": "a red circle", "seed": 3, "num_inference_steps": 3, "n": 2}):
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["ditserve"]["world_size"] == 2
+    import time
+
+    deadline = time.monotonic() + 30  # replicas report every routing_stats_period_s
+    while True:
+        (replica,) = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"].values()
+        done = replica.get("cfg_parallel_branches_steps", 0) >= 3 and replica.get("cfg_parallel_rows_steps", 0) >= 3
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert replica["parallel"]["cfg_degree"] == 2 and done
