@@ -33,6 +33,18 @@ class LoraSettings(_Strict):
     default_scale: float = Field(default=1.0, allow_inf_nan=False)
 
 
+class VaeSettings(_Strict):
+    """The VAE decode (diffusers' own switches). ``slicing``: decode one sample at a time
+    (``enable_slicing``: memory bounded by one sample, for large n x size; same pixels).
+    ``tiling``: decode in overlapping spatial tiles blended at the seams (``enable_tiling``:
+    memory bounded by one tile, for large sizes and videos); on a multi-rank replica a video's
+    tiles are decoded in parallel across the ranks and gathered on rank 0 (``parallel.vae``),
+    the same pixels as one rank's tiled decode."""
+
+    tiling: bool = False
+    slicing: bool = False
+
+
 class ModelConfig(_Strict):
     """Which checkpoint to serve. ``path: null`` with ``name: tiny-flux`` is the embedded model.
 
@@ -51,9 +63,11 @@ class ModelConfig(_Strict):
     # Execution mode of a second transformer: "boundary" (Wan 2.2 experts, the default when
     # the pipeline has a boundary_ratio) or "paired"; null: what the checkpoint declares.
     dual_transformer: Literal["boundary", "paired"] | None = None
-    # Decode one sample at a time (diffusers' VAE slicing): decode memory bounded by one
-    # sample, for large n x size (configs/flux-dev-4gpu.yaml); same pixels.
-    vae_slicing: bool = False
+    vae: VaeSettings = Field(default_factory=lambda: VaeSettings())
+    # Transformer weights that do not all fit on the device (pipeline.offload): "idle_expert"
+    # keeps only the running expert of a boundary-expert model there, "group" is diffusers'
+    # group offloading (block by block from host memory).
+    offload: Literal["none", "idle_expert", "group"] = "none"
     loras: dict[str, LoraSettings] = Field(default_factory=dict)
     max_loaded_loras: int = Field(default=4, ge=1, le=64)
     lora_max_rank: int = Field(default=64, ge=1, le=1024)
@@ -359,6 +373,22 @@ class AppConfig(_Strict):
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     videos: VideoJobsConfig = Field(default_factory=VideoJobsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+
+    @model_validator(mode="after")
+    def _weights(self):
+        """Memory options that cannot work together (the model's own facts, e.g. whether it
+        has boundary experts, are checked where the replica starts). Raises ``ValueError``
+        naming the fields."""
+        problems = []
+        if self.model.offload != "none" and self.acceleration.torch_compile:
+            problems.append(f"model.offload={self.model.offload!r} moves weights between steps, which "
+                            "acceleration.torch_compile would have traced as fixed: use one or the other")
+        if self.model.offload != "none" and self.parallel.shard_weights:
+            problems.append("parallel.shard_weights already spreads the weights across the ranks; give "
+                            f"model.offload={self.model.offload!r} or parallel.shard_weights, not both")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _default_kernel(self):

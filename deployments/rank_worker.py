@@ -56,6 +56,8 @@ def make_runner(model: dict, acceleration: dict, rank: int = 0):
     from pipeline.runner import BatchRunner
 
     model = dict(model)
+    vae = model.pop("vae", None) or {}
+    model["vae_slicing"], model["vae_tiling"] = bool(vae.get("slicing")), bool(vae.get("tiling"))
     model["device"] = rank_device(model.get("device", "cpu"), ray.get_gpu_ids() if ray.is_initialized() else [],
                                   not os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
     model["loras"] = {name: entry.path for name, entry in lora_registry(model.get("loras") or {}).items()}

@@ -24,7 +24,8 @@ from pipeline.lora import AdapterLoadError, LoraAdapters
 from pipeline.loop import (BatchSchedule, LoopOutput, conditioning, denoise_batch, initial_latents, plan_batch,
                            steps_per_transformer)
 from pipeline.media import encode_image, encode_mp4
-from pipeline.modes import InputMode
+from pipeline.modes import DualMode, InputMode
+from pipeline.offload import apply_offload, offload_problems
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
@@ -62,7 +63,10 @@ class BatchRunner:
     ``dual_transformer``: the execution mode of a second transformer (Wan: ``boundary`` or
     ``paired``; None: what the checkpoint declares). ``components``: ``"all"``, or
     ``"denoiser"`` on sequence-parallel ranks other than 0 (no text encoders, no VAE: rank 0
-    encodes for every rank and decodes alone). ``vae_slicing``: decode one sample at a time.
+    encodes for every rank and decodes alone). ``vae_slicing``: decode one sample at a time;
+    ``vae_tiling``: decode in blended spatial tiles (diffusers' ``enable_slicing`` /
+    ``enable_tiling``; a ``ValueError`` when the model's VAE has no tiling). ``offload``:
+    ``none | idle_expert | group`` (``pipeline.offload``).
     ``loras``: the LoRA adapters registered at start (name -> path; each is checked against the
     model now), ``max_loaded_loras`` kept in the LRU; with ``torch_compile`` the transformer gets
     ``max_loras`` hot-swap slots of rank ``lora_max_rank`` (``pipeline.lora``).
@@ -72,7 +76,7 @@ class BatchRunner:
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
                  dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None,
-                 vae_slicing: bool = False, *, attention_backend: str | None = None, torch_compile: bool = False,
+                 vae_slicing: bool = False, *, vae_tiling: bool = False, offload: str = "none", attention_backend: str | None = None, torch_compile: bool = False,
                  compile_backend: str = "inductor", components: str = "all", loras: dict[str, str] | None = None,
                  max_loaded_loras: int = 4, max_loras: int = 4, lora_max_rank: int = 64):
         checkpoint = resolve_checkpoint(name, path)
@@ -83,6 +87,17 @@ class BatchRunner:
                                                device=device, components=components, vae_slicing=vae_slicing,
                                                **options)
         self.components = components
+        self.vae_tiling = vae_tiling
+        vae = getattr(self.family.pipe, "vae", None)
+        if vae_tiling and vae is not None:
+            if not hasattr(vae, "enable_tiling"):
+                raise ValueError(f"model.vae.tiling: {type(vae).__name__} has no tiled decode")
+            vae.enable_tiling()
+        problems = offload_problems(offload, boundary_experts=self.family.dual_mode == DualMode.BOUNDARY,
+                                    torch_compile=torch_compile)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.offload = apply_offload(offload, self.family.transformers, self.family.device)
         self.default_kernel = attention_backend
         self.torch_compile = torch_compile
         self.compile_backend = compile_backend
@@ -153,6 +168,8 @@ class BatchRunner:
         the recompile limit and run uncompiled)."""
         total = {"compiles": self.compiles, "attention_switches": self.attention.switches, **self.lora.counters,
                  **(self.cfg.counters if self.cfg is not None else {})}
+        if self.offload is not None:
+            total["offload_moves"] = self.offload.moves
         if self.torch_compile:
             total.update(torch_compat.dynamo_counts())
         for executor in self.cache.values():
