@@ -27,9 +27,9 @@ GUIDED = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=4)
 TOLERANCE = 1e-4  # float32 pixels in [0, 1]: the same forwards, gathered instead of run in turn
 
 
-def _ranks(layout: dict, model: str = "tiny-flux"):
+def _ranks(layout: dict, model: dict | None = None):
     config = ParallelConfig.of(layout)
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1)
+    workers = [RankWorker.options(num_cpus=0).remote(r, model or {"name": "tiny-flux"}, {}, layout, 1)
                for r in range(config.world_size)]
     port = free_port()
     ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
@@ -116,13 +116,18 @@ def test_cache_dit_runs_in_lockstep_with_the_same_decisions_on_every_rank(flux_c
     assert counters["cfg_parallel_lockstep_steps"] >= 4
 
 
-def test_wan_guided_video_with_boundary_experts_equals_one_rank(ray_cluster):
-    runner = BatchRunner("tiny-wan-moe")
-    fields = dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=4, size="64x64")
+@pytest.mark.parametrize("dual", ["boundary", "paired"])
+def test_wan_guided_video_with_two_transformers_equals_one_rank(ray_cluster, dual):
+    """Boundary experts: both groups run the step's expert (one the negative prompt); paired
+    transformers: group 0 runs ``transformer``, group 1 ``transformer_2``, at the same time."""
+    runner = BatchRunner("tiny-wan-moe", dual_transformer=dual)
+    fields = dict(guidance_scale=4.0, num_inference_steps=4, size="64x64")
+    if dual == "boundary":
+        fields["negative_prompt"] = "blurry"
     batch = batch_of(video_params(runner.family, "a red circle", 3, **fields),
                      video_params(runner.family, "a green star at night", 4, **fields))
     single = runner.denoise(batch)
-    workers = _ranks({"cfg_degree": 2}, model="tiny-wan-moe")
+    workers = _ranks({"cfg_degree": 2}, model={"name": "tiny-wan-moe", "dual_transformer": dual})
     try:
         out = _run(workers, batch)[0]
         assert out.calls == single.calls
