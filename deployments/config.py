@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from parallel.config import ParallelConfig
+from parallel.config import ParallelConfig, sharding_problems
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import parse_size
@@ -383,9 +383,11 @@ class AppConfig(_Strict):
         if self.model.offload != "none" and self.acceleration.torch_compile:
             problems.append(f"model.offload={self.model.offload!r} moves weights between steps, which "
                             "acceleration.torch_compile would have traced as fixed: use one or the other")
-        if self.model.offload != "none" and self.parallel.shard_weights:
-            problems.append("parallel.shard_weights already spreads the weights across the ranks; give "
-                            f"model.offload={self.model.offload!r} or parallel.shard_weights, not both")
+        problems += [p for p in sharding_problems(shard_weights=self.parallel.shard_weights,
+                                                  world_size=self.parallel.world_size,
+                                                  torch_compile=self.acceleration.torch_compile,
+                                                  loras=bool(self.model.loras), offload=self.model.offload)
+                     if "world_size" not in p]  # a single-rank layout is refused with the parallel section
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -168,8 +168,10 @@ class RankGroup:
         address, port = ray.util.get_node_ip_address(), free_port()
         joined = [w.join.remote(address, port, self.rendezvous_timeout_s) for w in self.workers]
         mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)
-        ray.get(joined)
         runner.enable_parallel(self.config, mesh, 0)
+        ray.get(joined)
+        if self.config.shard_weights:  # each rank now holds its shards only
+            self.parameter_bytes = [runner.parameter_bytes(), *ray.get([w.ready.remote() for w in self.workers])]
         self.runner = runner
 
     async def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None):

@@ -74,3 +74,39 @@ class ParallelConfig:
         n = self.sp_degree
         return [f"{name} has {count} tokens, not divisible by the {n} sequence-parallel ranks"
                 for name, count in lengths.items() if n > 1 and count % n]
+
+
+def sharding_problems(*, shard_weights: bool, world_size: int, torch_compile: bool = False, loras: bool = False,
+                      offload: str = "none") -> list[str]:
+    """Every reason ``parallel.shard_weights`` cannot serve this configuration, each naming
+    the fields (empty: none, or sharding off).
+
+    ``world_size``: ranks of the replica; ``torch_compile``: ``acceleration.torch_compile``;
+    ``loras``: adapters registered in ``model.loras``; ``offload``: ``model.offload``.
+
+    What does work on a sharded transformer, measured on CPU/gloo with torch 2.13, diffusers
+    0.42, cache-dit and peft 0.21 (``tests/test_fsdp.py``, ``parallel.fsdp``): diffusers' split/gather hooks with
+    our yunchang processors (installed before or after sharding); cache-dit mounted with its
+    own adapters (blocks are still called through ``__call__``, so FSDP's hooks run); LoRA
+    adapters loaded after sharding (eager ``load_lora_adapter`` / ``set_adapters`` /
+    ``delete_adapters``; the adapter weights are plain tensors every rank holds whole). Also
+    ``Module.compile`` on the sharded transformer (inductor, measured once outside the tests:
+    equal within 2e-6, one graph break at FSDP's hooks). What does not is refused here.
+    """
+    if not shard_weights:
+        return []
+    problems = []
+    if world_size < 2:
+        problems.append(f"parallel.shard_weights needs a multi-rank replica (world_size = {world_size}): "
+                        "there is no other rank to share the weights with")
+    if torch_compile and loras:
+        # The hot-swap slots are created when the model loads, before the ranks join and shard;
+        # sharded, they are DTensors, and hot-swapping a plain state dict into them fails
+        # ("aten.copy_.default got mixed torch.Tensor and DTensor").
+        problems.append("parallel.shard_weights cannot be combined with acceleration.torch_compile and model.loras: "
+                        "the LoRA hot-swap slots would be sharded, and PEFT cannot hot-swap into sharded weights")
+    if offload != "none":
+        problems.append(f"parallel.shard_weights cannot be combined with model.offload={offload!r}: both decide "
+                        "where the transformer's weights live (FSDP2 keeps each rank's shard in place and gathers "
+                        "it per block); give one or the other")
+    return problems

@@ -284,6 +284,10 @@ class BatchRunner:
         ``enable_sequence_parallel``), CFG parallelism across the ``cfg_degree`` groups
         (``parallel.cfg``). Raises ``ValueError`` when the layout cannot serve this model."""
         problems = config.startup_problems(num_heads=self.family.num_attention_heads)
+        if config.shard_weights and config.cfg_degree > 1 and self.family.dual_mode == DualMode.PAIRED:
+            problems.append("parallel.shard_weights with parallel.cfg_degree=2 cannot serve paired transformers: "
+                            "the two CFG groups run different transformers at once, and every rank must gather "
+                            "the same transformer's weights together (drop one of the two)")
         if problems:
             raise ValueError("; ".join(problems))
         self.check_default_kernel(config.ring_degree)
@@ -299,6 +303,12 @@ class BatchRunner:
             from parallel.cfg import CfgParallel
 
             self.cfg = CfgParallel(mesh["cfg"].get_group(), rank // config.sp_degree)
+        if config.shard_weights:
+            from parallel.fsdp import shard_transformer, weight_mesh
+
+            everyone = weight_mesh(None)  # every rank of the replica shares every transformer's weights
+            for transformer in self.family.transformers.values():
+                shard_transformer(transformer, everyone)
 
     def stop_check(self, local=None):
         """The per-step stop decision of a batch: ``local()`` on a single rank; on several

@@ -160,3 +160,27 @@ def test_cfg_replica_serves_and_reports_its_layout(deploy):
             break
         time.sleep(0.5)
     assert replica["parallel"]["cfg_degree"] == 2 and done
+
+
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "shard_weights": True},
+                                    {"cfg_degree": 2, "shard_weights": True}], ids=["ulysses2", "cfg2"])
+def test_sharded_weights_equal_unsharded_with_half_the_bytes_per_rank(flux_single, ray_cluster, layout):
+    """FSDP2 (parallel.fsdp) under each layout: guided, unguided (under cfg 2 both groups run
+    the same blocks in lockstep: FSDP gathers are collectives over every rank) and with
+    Cache-DiT, each equal to one rank; each rank holds about half the transformer."""
+    workers = _ranks(layout)
+    try:
+        guided = batch_of(params("a red circle", 3, **GUIDED), params("a blue square", 4, **GUIDED))
+        _close(flux_single.denoise(guided), _run(workers, guided)[0])
+        lone = batch_of(params("a red circle", 3, size=(64, 64), steps=3))
+        _close(flux_single.denoise(lone), _run(workers, lone)[0])
+        key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.5)
+        cached = batch_of(dataclasses.replace(params("a red circle", 3, **{**GUIDED, "steps": 6}),
+                                              enable_cache_dit=True, cache_dit_params=key))
+        assert np.isfinite(_run(workers, cached)[0].images[0]).all()
+        whole = sum(t.numel() * t.element_size() for t in flux_single.family.transformer.parameters())
+        held = ray.get(workers[1].ready.remote())  # rank 1 loads the transformer alone
+        assert held < 0.6 * whole
+    finally:
+        for w in workers:
+            ray.kill(w)

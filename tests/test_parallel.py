@@ -202,10 +202,11 @@ def test_bad_topology_fails_at_startup(ray_cluster):
 
 
 CFG2 = {**SP2, "parallel": {"cfg_degree": 2}}
+SHARDED = {**SP2, "parallel": {"ulysses_degree": 2, "shard_weights": True}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [SP2, CFG2], ids=["ulysses2", "cfg2"])
+@pytest.mark.parametrize("layout", [SP2, CFG2, SHARDED], ids=["ulysses2", "cfg2", "sharded"])
 def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout):
     url = deploy(layout, fresh=True)
     slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 40, "size": "256x256", "negative_prompt": "blurry",

@@ -237,9 +237,14 @@ def vae_config(pipe, path, vae_cls) -> dict:
 
 
 def parameter_bytes(pipe) -> int:
-    """Bytes of every parameter and buffer of the pipeline's loaded modules."""
+    """Bytes of every parameter and buffer of the pipeline's loaded modules this process holds
+    (a parameter sharded across ranks, a ``DTensor``, counts its local shard)."""
     modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return sum(local(t).numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
 def tokenizer_special_tokens(*tokenizers) -> tuple[str, ...]:
