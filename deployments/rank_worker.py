@@ -50,7 +50,8 @@ def rank_device(configured: str, gpu_ids: list, cuda_visible_set_by_ray: bool) -
 def make_runner(model: dict, acceleration: dict, rank: int = 0):
     """This process's ``pipeline.runner.BatchRunner``, on this rank's device (see
     :func:`rank_device`); ranks other than 0 load the transformers alone (rank 0 encodes the
-    prompts for every rank and decodes alone). ``model``: ``ModelConfig`` as a dict, plus
+    prompts for every rank and decodes alone, unless ``model.vae.tiling`` has every rank load the
+    VAE to share the tiled decode: ``parallel.vae``). ``model``: ``ModelConfig`` as a dict, plus
     ``max_loras`` (the hot-swap slots under torch.compile)."""
     from deployments.config import lora_registry
     from pipeline.runner import BatchRunner
@@ -64,7 +65,7 @@ def make_runner(model: dict, acceleration: dict, rank: int = 0):
     return BatchRunner(**model, attention_backend=acceleration.get("attention_backend"),
                        torch_compile=acceleration.get("torch_compile", False),
                        compile_backend=acceleration.get("compile_backend", "inductor"),
-                       components="all" if rank == 0 else "denoiser")
+                       components="all" if rank == 0 else "denoiser+vae" if model["vae_tiling"] else "denoiser")
 
 
 class GroupBroken(RuntimeError):

@@ -270,7 +270,7 @@ class SequentialBranches:
 @torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
-                  on_preview=None, prepare=initial_latents, branches=None) -> LoopOutput:
+                  on_preview=None, prepare=initial_latents, branches=None, vae_decode=None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
@@ -282,7 +282,9 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     encodes on rank 0 and broadcasts); ``prepare``: how the initial latents are made
     (:func:`initial_latents`; likewise). ``branches``: who makes a step's forwards
     (:class:`SequentialBranches`, the default: this rank makes both; a CFG-parallel runner
-    passes ``parallel.cfg.CfgParallel``). ``on_preview(request index, partial index, images)``
+    passes ``parallel.cfg.CfgParallel``). ``vae_decode``: a decode every rank takes part in
+    (``parallel.vae``: each decodes its tiles, the ranks with ``decode`` off too, and gets
+    nothing back); None: only ``decode`` ranks decode. ``on_preview(request index, partial index, images)``
     receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
     the VAE decode of the x0-prediction of that request's rows only, at :func:`preview_steps`;
     only where ``decode`` is on). Raises ``ValueError`` if the batch is
@@ -339,8 +341,11 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     synchronize(latents.device)
     t1 = time.perf_counter()
     if not decode:
-        return LoopOutput([], (t1 - t0) * 1e3, 0.0, num_steps, reused, calls, failures or None)
-    images = family.decode(latents, head)  # returns host numpy arrays: the device has finished
+        if vae_decode is not None:
+            family.decode(latents, head, vae_decode=vae_decode)  # this rank's tiles, gathered on rank 0
+        return LoopOutput([], (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, num_steps, reused, calls,
+                          failures or None)
+    images = family.decode(latents, head, vae_decode=vae_decode)  # host numpy arrays: the device has finished
     t2 = time.perf_counter()
     per_request: list[np.ndarray | None] = [None] * len(batch)
     for i, a, b in zip(keep, splits[:-1], splits[1:], strict=True):

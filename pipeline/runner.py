@@ -105,6 +105,7 @@ class BatchRunner:
             configure_compile(torch.device(self.family.device))
         self.rank, self.world_size = 0, 1
         self.parallel = None  # parallel.config.ParallelConfig of a multi-rank replica
+        self.parallel_vae = False  # the ranks share each tiled decode (parallel.vae)
         self.cfg = None  # parallel.cfg.CfgParallel when cfg_degree is 2
         transformers = self.family.transformers
         hotswap = (max_loras, lora_max_rank, dict(loras)) if torch_compile and loras else None
@@ -303,6 +304,11 @@ class BatchRunner:
             from parallel.cfg import CfgParallel
 
             self.cfg = CfgParallel(mesh["cfg"].get_group(), rank // config.sp_degree)
+        vae = getattr(self.family.pipe, "vae", None)
+        if self.vae_tiling and vae is not None:  # every rank loaded the VAE (components "denoiser+vae")
+            from parallel.vae import supports
+
+            self.parallel_vae = supports(vae)
         if config.shard_weights:
             from parallel.fsdp import shard_transformer, weight_mesh
 
@@ -338,7 +344,7 @@ class BatchRunner:
                                  should_stop=self.stop_check(should_stop),
                                  encode=conditioning if self.world_size == 1 else self._shared_conditioning,
                                  prepare=initial_latents if self.world_size == 1 else self._shared_latents,
-                                 branches=self.cfg)
+                                 branches=self.cfg, vae_decode=self._parallel_decode if self.parallel_vae else None)
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception:
@@ -393,6 +399,16 @@ class BatchRunner:
         _, latents, positions = payload
         device = self.family.device
         return latents.to(device), None if positions is None else positions.to(device)
+
+    def _parallel_decode(self, vae, z):
+        """The VAE's decode of ``z`` shared by every rank (``parallel.vae``): each decodes its
+        tiles and rank 0 blends them, the pixels of one rank's tiled decode. Latents within one
+        tile are decoded by rank 0 alone, as diffusers would (no tiling). None on other ranks."""
+        from parallel.vae import parallel_tiled_decode, tiles_needed
+
+        if tiles_needed(vae, z):
+            return parallel_tiled_decode(vae, z, self.rank, self.world_size)
+        return vae.decode(z, return_dict=False)[0] if self.rank == 0 else None
 
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))

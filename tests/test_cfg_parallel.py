@@ -184,3 +184,31 @@ def test_sharded_weights_equal_unsharded_with_half_the_bytes_per_rank(flux_singl
     finally:
         for w in workers:
             ray.kill(w)
+
+
+def _small_tiles(runner) -> None:
+    """Tiles of 48 pixels at a stride of 32, so 64x64 outputs have 2 x 2 of them."""
+    vae = runner.family.pipe.vae
+    if vae is not None:
+        vae.tile_sample_min_height = vae.tile_sample_min_width = 48
+        vae.tile_sample_stride_height = vae.tile_sample_stride_width = 32
+
+
+def test_video_decodes_in_parallel_as_one_rank_tiled_decode(ray_cluster):
+    """model.vae.tiling on a 2-rank replica: every rank loads the VAE and decodes its tiles,
+    rank 0 blends them — the pixels of one rank's tiled decode (parallel.vae)."""
+    single = BatchRunner("tiny-wan", vae_tiling=True)
+    _small_tiles(single)
+    batch = batch_of(video_params(single.family, "a red circle", 3, num_inference_steps=3, size="64x64"))
+    expected = single.denoise(batch)
+    workers = _ranks({"ulysses_degree": 2}, model={"name": "tiny-wan", "vae": {"tiling": True}})
+    try:
+        assert ray.get([w.__ray_call__.remote(lambda actor: actor.runner.parallel_vae) for w in workers]) == [True] * 2
+        ray.get([w.__ray_call__.remote(lambda actor: _small_tiles(actor.runner)) for w in workers])
+        out = _run(workers, batch)[0]
+        _close(expected, out)
+        untiled = BatchRunner("tiny-wan").denoise(batch).images[0]
+        assert np.abs(untiled - out.images[0]).mean() <= 0.1  # seams blended: the bound of tests/test_weights.py
+    finally:
+        for w in workers:
+            ray.kill(w)

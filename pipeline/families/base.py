@@ -141,9 +141,11 @@ class ModelFamily(Protocol):
         prediction, same shape as ``latents``. ``branch`` names cache-dit's context
         (``"cond"``/``"uncond"``)."""
 
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Final latents → float32 pixels in [0, 1]: (B, H, W, 3) for images, (B, F, H, W, 3)
-        for videos."""
+        for videos. ``vae_decode(vae, z)``: how the VAE turns its input ``z`` into pixels
+        (:func:`run_vae`; a multi-rank replica passes a tile-parallel decode that gives None on
+        ranks other than 0, and then ``decode`` returns None)."""
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
         """Shard every transformer's sequence across the ranks of ``mesh`` (``parallel/``)."""
@@ -152,7 +154,15 @@ class ModelFamily(Protocol):
         """Bytes of the weights (parameters and buffers) this process has loaded."""
 
 
-COMPONENTS = ("all", "denoiser")
+COMPONENTS = ("all", "denoiser", "denoiser+vae")
+
+
+def run_vae(vae, z: torch.Tensor, vae_decode=None) -> torch.Tensor | None:
+    """``vae.decode(z)``'s sample, or ``vae_decode(vae, z)`` when given (None on ranks that do
+    not gather the result)."""
+    if vae_decode is None:
+        return vae.decode(z, return_dict=False)[0]
+    return vae_decode(vae, z)
 
 
 def linear_guidance(cond: torch.Tensor, guide: torch.Tensor, scale: float) -> torch.Tensor:
@@ -212,7 +222,8 @@ def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, 
     """A diffusers pipeline loaded straight onto ``device`` with diffusers' ``device_map``
     (each component goes from the checkpoint to the device, so host memory never holds the
     whole pipeline). ``components="denoiser"`` leaves out ``encoders`` (the text encoders and
-    the VAE, by component name). ``vae_cls``/``vae_dtype``: load the VAE in its own dtype
+    the VAE, by component name); ``"denoiser+vae"`` keeps the VAE (a multi-rank replica whose
+    ranks share a tiled decode, ``parallel.vae``). ``vae_cls``/``vae_dtype``: load the VAE in its own dtype
     (Wan's VAE in float32, as diffusers' Wan examples do). Raises ``ValueError`` for an
     unknown ``components``."""
     if components not in COMPONENTS:
@@ -220,7 +231,8 @@ def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, 
     target = torch.device(device)
     if target.type == "cuda" and target.index is not None:
         torch.cuda.set_device(target)  # diffusers' device_map takes "cuda": the current device
-    kwargs: dict[str, Any] = {name: None for name in encoders} if components == "denoiser" else {}
+    kept = {"all": set(encoders), "denoiser": set(), "denoiser+vae": {"vae"}}[components]
+    kwargs: dict[str, Any] = {name: None for name in encoders if name not in kept}
     if vae_dtype is not None and "vae" not in kwargs:
         kwargs["vae"] = vae_cls.from_pretrained(str(path), subfolder="vae", dtype=vae_dtype, device_map=target.type)
     pipe = pipeline_cls.from_pretrained(str(path), dtype=torch_dtype, device_map=target.type, **kwargs)

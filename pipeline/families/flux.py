@@ -18,7 +18,7 @@ import torch
 
 from compat import diffusers as compat
 from pipeline.families.base import (count_blocks, embedded_guidance, linear_guidance, load_pipeline, parameter_bytes,
-                                    pixel_tensor, repaint_mask, strength_timesteps, tokenizer_special_tokens,
+                                    pixel_tensor, repaint_mask, run_vae, strength_timesteps, tokenizer_special_tokens,
                                     vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
@@ -287,12 +287,14 @@ class FluxFamily:
         return out if reference is None else out[:, :latents.shape[1]]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Packed latents (B, S, 4·C) → images (B, params.height, params.width, 3) float32 in [0, 1]."""
         vae = self.pipe.vae
         latents = compat.flux_unpack_latents(latents, params.height, params.width, self.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        image = run_vae(vae, latents.to(vae.dtype), vae_decode)
+        if image is None:  # a rank that shares a parallel decode without gathering it
+            return None
         return self.pipe.image_processor.postprocess(image, output_type="np")
 
 

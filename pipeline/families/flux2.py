@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import (embedded_guidance, linear_guidance, load_pipeline, parameter_bytes,
+from pipeline.families.base import (embedded_guidance, linear_guidance, load_pipeline, parameter_bytes, run_vae,
                                     tokenizer_special_tokens, unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
@@ -199,7 +199,7 @@ class Flux2Family:
                 joint_attention_kwargs={}, return_dict=False)[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Packed latents (B, S, 4·C) → images (B, params.height, params.width, 3) float32 in [0, 1].
         The tokens are in row-major (h, w) order (``Flux2Pipeline._prepare_latent_ids``), so
         unpacking is a reshape; then the VAE's batch-norm statistics are undone and the 2×2
@@ -214,5 +214,7 @@ class Flux2Family:
         x = x * std + mean
         x = x.reshape(batch, channels // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(batch, channels // 4,
                                                                                            2 * h, 2 * w)
-        image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
+        image = run_vae(vae, x.to(vae.dtype), vae_decode)
+        if image is None:  # a rank that shares a parallel decode without gathering it
+            return None
         return self.pipe.image_processor.postprocess(image, output_type="np")

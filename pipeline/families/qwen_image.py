@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, tokenizer_special_tokens,
+from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, run_vae, tokenizer_special_tokens,
                                     unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
@@ -200,7 +200,7 @@ class QwenImageFamily:
                 img_shapes=positions.img_shapes[:latents.shape[0]], attention_kwargs={}, return_dict=False)[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Packed latents (B, S, 4·z) → images (B, params.height, params.width, 3) float32 in [0, 1]
         (unpacked 2×2, de-normalised with the VAE's latents mean / std, one frame decoded)."""
         vae = self.pipe.vae
@@ -210,5 +210,8 @@ class QwenImageFamily:
         x = x.reshape(batch, channels // 4, 1, 2 * h, 2 * w).to(vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(x)
         std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(x)
-        image = vae.decode(x * std + mean, return_dict=False)[0][:, :, 0]
+        image = run_vae(vae, x * std + mean, vae_decode)
+        if image is None:
+            return None
+        image = image[:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="np")

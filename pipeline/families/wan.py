@@ -21,7 +21,7 @@ import torch
 
 from compat import diffusers as compat
 from pipeline.families.base import (count_blocks, linear_guidance, load_pipeline, parameter_bytes, pixel_tensor,
-                                    tokenizer_special_tokens, vae_config)
+                                    run_vae, tokenizer_special_tokens, vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
@@ -255,11 +255,13 @@ class WanFamily:
                                return_dict=False)[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Latents → videos (B, num_frames, height, width, 3) float32 in [0, 1]."""
         vae = self.pipe.vae
         latents = latents.to(vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        video = run_vae(vae, latents / inv_std + mean, vae_decode)
+        if video is None:  # a rank that shares a parallel decode without gathering it
+            return None
         return self.pipe.video_processor.postprocess_video(video, output_type="np")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.families.base import (load_pipeline, parameter_bytes, shared_positions, tokenizer_special_tokens,
-                                    unchanged_latents, vae_config)
+from pipeline.families.base import (load_pipeline, parameter_bytes, run_vae, shared_positions,
+                                    tokenizer_special_tokens, unchanged_latents, vae_config)
 from pipeline.modes import DualMode, GuidanceMode
 
 
@@ -173,9 +173,11 @@ class ZImageFamily:
         return -torch.stack([o.float() for o in out], dim=0).squeeze(2)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, params) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
         """Latents (B, C, h, w) → images (B, params.height, params.width, 3) float32 in [0, 1]."""
         vae = self.pipe.vae
         x = (latents.to(vae.dtype) / vae.config.scaling_factor) + vae.config.shift_factor
-        image = vae.decode(x, return_dict=False)[0]
+        image = run_vae(vae, x, vae_decode)
+        if image is None:  # a rank that shares a parallel decode without gathering it
+            return None
         return self.pipe.image_processor.postprocess(image, output_type="np")
