@@ -27,9 +27,9 @@ GUIDED = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=4)
 TOLERANCE = 1e-4  # float32 pixels in [0, 1]: the same forwards, gathered instead of run in turn
 
 
-def _ranks(layout: dict, model: dict | None = None):
+def _ranks(layout: dict, model: dict | None = None, acceleration: dict | None = None):
     config = ParallelConfig.of(layout)
-    workers = [RankWorker.options(num_cpus=0).remote(r, model or {"name": "tiny-flux"}, {}, layout, 1)
+    workers = [RankWorker.options(num_cpus=0).remote(r, model or {"name": "tiny-flux"}, acceleration or {}, layout, 1)
                for r in range(config.world_size)]
     port = free_port()
     ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
@@ -97,6 +97,32 @@ def test_cfg_gate_reuses_the_delta_as_on_one_rank(flux_single, flux_cfg):
     out = _run(flux_cfg, gated)[0]
     assert out.cfg_reused_steps == 2
     _close(single, out)
+
+
+def test_lora_and_attention_override_run_on_every_rank(flux_single, flux_cfg):
+    """A request's own adapter and kernel apply on both CFG groups (state changes on every rank)."""
+    from deployments.config import EMBEDDED_LORA_DIR
+    from pipeline.contract.lora import LoraSpec
+
+    p = dataclasses.replace(params("a red circle", 3, **GUIDED), attention_backend="torch_math",
+                            lora=(LoraSpec("magenta", 0.8, str(EMBEDDED_LORA_DIR / "magenta")),))
+    batch = batch_of(p)
+    expected = flux_single.denoise(batch)
+    plain = flux_single.denoise(batch_of(params("a red circle", 3, **GUIDED)))
+    assert np.abs(expected.images[0] - plain.images[0]).max() > 0.05  # the adapter changes the image
+    _close(expected, _run(flux_cfg, batch)[0])
+
+
+def test_torch_compile_under_cfg_parallelism_equals_one_rank(flux_single, ray_cluster):
+    """Each rank compiles its transformer (the cheap "eager" backend) after its Cache-DiT mount."""
+    workers = _ranks({"cfg_degree": 2}, acceleration={"torch_compile": True, "compile_backend": "eager"})
+    try:
+        batch = batch_of(params("a red circle", 3, **GUIDED), params("a blue square", 4, **GUIDED))
+        _close(flux_single.denoise(batch), _run(workers, batch)[0])
+        assert all(c["compiles"] == 1 for c in ray.get([w.counters.remote() for w in workers]))
+    finally:
+        for w in workers:
+            ray.kill(w)
 
 
 def test_cache_dit_runs_in_lockstep_with_the_same_decisions_on_every_rank(flux_cfg):
