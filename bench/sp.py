@@ -6,9 +6,11 @@ guided request (true CFG: two forwards per step). Layouts (``--layouts``, all by
 on the two ranks), ``sharded`` (Ulysses 2 with ``shard_weights``: FSDP2 gathers each block's
 weights per forward). The 1-rank run uses 2 torch threads, each of the 2 ranks 1 thread
 (same cores); runs alternate 1-rank / 2-rank per round so machine noise hits both. Bytes sent
-per step by rank 0 are counted from the tensors torch.distributed's all_to_all_single /
-all_gather_into_tensor / all_gather get (yunchang, FSDP2, CFG); per-rank parameter bytes are
-rank 0's loaded weights (with sharding: its local shards).
+per step by rank 0 are counted from the tensors passed to ``torch.distributed.all_to_all_single``
+/ ``all_gather_into_tensor`` / ``all_gather`` (yunchang's Ulysses all-to-all, the CFG
+all-gather); ring attention's point-to-point K/V passing and FSDP2's weight all-gathers (issued
+inside c10d) are not counted. Per-rank parameter bytes are rank 0's loaded weights, text
+encoders and VAE included (with sharding: the transformer's local shards).
 
     python bench/sp.py [--size 256x256] [--steps 8] [--rounds 2] [--layouts ulysses,ring,cfg,sharded]
 """

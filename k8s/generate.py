@@ -41,7 +41,8 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
 # config file -> the least GPU memory (MiB, as nvidia.com/gpu.memory reports it) its weights fit
 # in with headroom; the arithmetic is in k8s/README.md. FLUX.1-dev bf16 (transformer 23.8 GB, T5
 # 9.5 GB, CLIP and VAE) on every rank: a 48 GB-class GPU. Wan 2.2 A14B bf16 (two 14B experts
-# 57 GB, UMT5 11.4 GB) on every rank: an 80 GB-class GPU. FLUX.2 [dev] bf16 (transformer 64.4 GB,
+# 57 GB, UMT5 11.4 GB): sharded 8 ways while serving (20.3 GB on rank 0), but every rank loads
+# both experts before sharding them: an 80 GB-class GPU. FLUX.2 [dev] bf16 (transformer 64.4 GB,
 # Mistral Small 3.1 48.0 GB on rank 0): a 141 GB-class GPU. Qwen-Image bf16 (transformer 40.9 GB,
 # Qwen2.5-VL-7B 16.6 GB): an 80 GB-class GPU. Z-Image Turbo bf16 (transformer 12.3 GB, Qwen3-4B 8.0 GB):
 # a 40 GB-class GPU.
@@ -55,7 +56,7 @@ PROXY_ENV = {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": "depl
 def _per_replica(args: dict, bundle_key: str, actor_key: str, default: int) -> int:
     """A resource one DiTReplica holds: its ranks' bundles with sequence parallelism, else its actor's."""
     parallel = args.get("parallel", {})
-    world = parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
+    world = parallel.get("cfg_degree", 1) * parallel.get("ulysses_degree", 1) * parallel.get("ring_degree", 1)
     replica = args.get("replica", {})
     if world > 1:
         return int(world * replica.get("rank_resources", {}).get(bundle_key, default))
