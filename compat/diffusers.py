@@ -43,6 +43,15 @@ RELIES_ON = (
     Reliance("diffusers", "FluxPipeline._unpack_latents", "FLUX latent unpacking"),
     Reliance("diffusers", "FluxPipeline._prepare_latent_image_ids", "FLUX position ids"),
     Reliance("diffusers", "WanPipeline._get_t5_prompt_embeds", "Wan prompt encoding"),
+    # parallel/vae.py: diffusers' tiled_decode with its tiles spread over the ranks
+    Reliance("diffusers", "AutoencoderKLWan.clear_cache", "parallel tiled decode (Wan's feature cache)"),
+    Reliance("diffusers", "AutoencoderKLWan.blend_v", "parallel tiled decode"),
+    Reliance("diffusers", "AutoencoderKLWan.blend_h", "parallel tiled decode"),
+    Reliance("diffusers.models.autoencoders.autoencoder_kl_wan", "unpatchify", "parallel tiled decode (Wan 2.2)"),
+    Reliance("diffusers", "AutoencoderKL.blend_v", "parallel tiled decode"),
+    Reliance("diffusers", "AutoencoderKL.blend_h", "parallel tiled decode"),
+    Reliance("diffusers", "AutoencoderKLFlux2.blend_v", "parallel tiled decode"),
+    Reliance("diffusers", "AutoencoderKLFlux2.blend_h", "parallel tiled decode"),
 )
 
 
