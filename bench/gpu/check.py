@@ -53,6 +53,9 @@ events: forwards are means after a warm-up forward, 28-step runs are timed once.
   ``module.compile``): graphs compiled by the first 28-step run and by a second one
   (``compat.torch.dynamo_counts``; the second must compile none and no frame may hit the
   recompile limit), the first run's seconds, compiled against eager ms per image.
+- ``offload`` [40 s]: the added time of ``model.offload``: a FLUX-sized forward under diffusers'
+  group offloading against the resident one (ms per forward and per 28-step image, peak bytes),
+  and an idle-expert swap (a Wan-sized expert to host memory and back; a request pays it twice).
 - ``serve`` [60 s]: ``serve run`` of configs/tiny-cpu.yaml moved to the device (a temporary copy,
   its own local Ray cluster and port), one ``POST /v1/images/generations`` that must return a
   PNG, then SIGINT and a bounded wait for the shutdown.
@@ -590,6 +593,50 @@ def check_batch(device: str) -> str:
     return f"batch 4 / batch 1 throughput {figures_by_batch[4]['throughput_vs_batch1_x']:.2f}x"
 
 
+def check_offload(device: str) -> str:
+    """The added time of ``model.offload`` (``pipeline.offload``): a FLUX-sized forward with
+    every weight on the GPU against one under diffusers' group offloading (block level, one
+    block per group, prefetched on a CUDA stream: ``offload: group``), and an idle-expert swap
+    (``offload: idle_expert``): a Wan-sized transformer moved to host memory and back, which a
+    boundary-expert request pays twice (in at the boundary, back for the next request). Rows of
+    ms and peak bytes; SKIP on CPU (host and device are the same memory)."""
+    if not device.startswith("cuda"):
+        raise Skip("host and device memory are the same on CPU: nothing to move")
+    from diffusers.hooks import apply_group_offloading
+
+    model = _model("flux", device)
+    inputs = _inputs("flux", model, 1, device)
+    resident, resident_ms, resident_peak = _measure(lambda: _forward(model, inputs), device,
+                                                    repeats=REPEATS[SCALE]["flux"], warmup=1)
+    apply_group_offloading(model, onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    out, grouped_ms, grouped_peak = _measure(lambda: _forward(model, inputs), device,
+                                             repeats=REPEATS[SCALE]["flux"], warmup=1)
+    _finite(out, "group offloading")
+    _row("offload", f"{_describe('flux')}, group offloading", {
+        "forward_ms": grouped_ms, "resident_forward_ms": resident_ms, "added_ms_per_forward": grouped_ms - resident_ms,
+        "added_ms_per_image": STEPS * (grouped_ms - resident_ms), "peak_bytes": grouped_peak,
+        "resident_peak_bytes": resident_peak, **_diff(out, resident)})
+    model = inputs = out = resident = None
+    _drop_models(device)  # the offloaded copy is not the one other checks expect
+    expert = _model("wan", device)
+    bytes_ = sum(p.numel() * p.element_size() for p in expert.parameters())
+    _sync(device)
+    t0 = time.perf_counter()
+    expert.to("cpu")
+    _sync(device)
+    t1 = time.perf_counter()
+    expert.to(device)
+    _sync(device)
+    t2 = time.perf_counter()
+    out_ms, in_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    _row("offload", f"{_describe('wan')}, idle-expert swap", {
+        "expert_bytes": bytes_, "to_host_ms": out_ms, "to_gpu_ms": in_ms,
+        "added_ms_per_request": 2 * (out_ms + in_ms)})
+    return (f"group offloading +{STEPS * (grouped_ms - resident_ms):.0f} ms per {STEPS}-step image; idle-expert "
+            f"swap +{2 * (out_ms + in_ms):.0f} ms per request")
+
+
 ISSUE_THRESHOLD = 0.08  # residual_diff_threshold of the issue's dynamic policy
 CALIBRATED: dict[str, float] = {}  # "threshold": the caching threshold found by the cache-dit check
 
@@ -848,7 +895,7 @@ def check_serve(device: str) -> str:
 CHECKS = {"kernels": check_kernels, "default-kernel": check_default_kernel, "ring-lse": check_ring_lse,
           "timings": check_timings, "memory": check_memory, "batch-invariance": check_batch_invariance,
           "ranks": check_ranks, "attention": check_attention, "batch": check_batch, "cache-dit": check_cache_dit,
-          "compile": check_compile, "serve": check_serve}
+          "compile": check_compile, "offload": check_offload, "serve": check_serve}
 
 
 def _format(figures: dict) -> str:
