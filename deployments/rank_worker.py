@@ -175,7 +175,7 @@ class RankGroup:
             self.parameter_bytes = [runner.parameter_bytes(), *ray.get([w.ready.remote() for w in self.workers])]
         self.runner = runner
 
-    async def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None):
+    async def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None, requests_gone=None):
         """Run ``batch`` on every rank; rank 0's outputs (``on_step`` follows rank 0's steps).
 
         Raises rank 0's error when every rank ended the same consistent way (the same failed
@@ -183,7 +183,8 @@ class RankGroup:
         else :class:`GroupBroken` as soon as any rank fails (others may be blocked in a
         collective; they are not waited for).
         """
-        rank0 = asyncio.ensure_future(asyncio.to_thread(self.runner.run, batch, on_step, should_stop, on_preview))
+        rank0 = asyncio.ensure_future(asyncio.to_thread(self.runner.run, batch, on_step, should_stop, on_preview,
+                                                        requests_gone))
         others = [asyncio.ensure_future(_awaited(w.run_batch.remote(batch))) for w in self.workers]
         tasks = [rank0, *others]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

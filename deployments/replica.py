@@ -149,20 +149,26 @@ class DiTReplica:
                 "parallel": dataclasses.asdict(self._parallel),
                 **self._runner.state_report(), **self._runner.counters()}
 
-    async def _stop_when_unwanted(self, batch_id: str, stop: threading.Event) -> None:
-        """While a batch runs, ask the Router every ``WANTED_POLL_S`` whether it still wants it;
-        when it does not (its callers left, or the Router that sent it died and a new one does
-        not know it), stop the batch at the next step boundary."""
+    async def _stop_when_unwanted(self, batch: Batch, stop: threading.Event, gone: dict) -> None:
+        """While a batch runs, ask the Router every ``WANTED_POLL_S`` which of its requests it
+        still wants; the ids of those it does not (their callers left) replace ``gone["ids"]``
+        (a frozenset the worker thread reads: their rows are dropped at the next step
+        boundary); when it wants none (every caller left, or the Router
+        that sent it died and a new one does not know it), stop the batch at the next step."""
         router = router_handle(serve.get_replica_context().app_name)
+        ids = {p.request_id for p in batch.requests}
         while not stop.is_set():
             await asyncio.sleep(WANTED_POLL_S)
             try:
-                wanted = await asyncio.wait_for(router.batch_wanted.remote(batch_id), WANTED_POLL_S)
+                wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id), WANTED_POLL_S)
             except Exception:  # noqa: BLE001 - no Router answers yet (restarting): ask again
                 continue
             if not wanted:
-                logger.warning("batch %s has no caller any more; stopping it at the next step", batch_id)
+                logger.warning("batch %s has no caller any more; stopping it at the next step", batch.batch_id)
                 stop.set()
+            elif ids - set(wanted) != gone["ids"]:
+                gone["ids"] = frozenset(ids - set(wanted))  # one assignment: the worker thread reads it whole
+                logger.info("batch %s: dropping the rows of %s (callers gone)", batch.batch_id, sorted(gone["ids"]))
 
     def _break(self, reason: str) -> None:
         """Mark the replica unusable, stop its rank actors and exit the process shortly (after
@@ -205,12 +211,14 @@ class DiTReplica:
             def on_preview(event: dict) -> None:  # likewise: a streamed request's preview
                 loop.call_soon_threadsafe(steps.put_nowait, {"preview": event})
 
+            gone = {"ids": frozenset()}
+            requests_gone = lambda: gone["ids"]  # noqa: E731 - read from the worker thread
             if self._ranks is None:
                 work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set,
-                                                               on_preview))
+                                                               on_preview, requests_gone))
             else:
-                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set, on_preview))
-            watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch.batch_id, stop))
+                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set, on_preview, requests_gone))
+            watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch, stop, gone))
             work.add_done_callback(lambda _: watchdog.cancel())
             try:
                 while not work.done():

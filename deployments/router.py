@@ -112,6 +112,12 @@ class Router:
                                        tag_keys=("decision",))
         self._metric_rejections = Counter("ditserve_rejections", "Requests answered with an error, by reason",
                                           tag_keys=("reason",))
+        self._metric_cancelled = Counter("ditserve_cancelled_running", "Running work stopped because its callers "
+                                         "left: whole batches, and requests whose rows left their batch",
+                                         tag_keys=("scope",))
+        self._metric_steps_saved = Counter("ditserve_steps_saved", "Denoising steps not run because their callers "
+                                           "left: a stopped batch's steps, a dropped request's steps x n",
+                                           tag_keys=("scope",))
 
     def reconfigure(self, batching: dict) -> None:
         """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed."""
@@ -236,11 +242,11 @@ class Router:
         """A caller (an Ingress replica) is alive: keep its requests."""
         self._reached = self._leases[caller] = time.monotonic()
 
-    def batch_wanted(self, batch_id: str) -> bool:
-        """Whether a batch this Router dispatched still has a caller (a replica asks while it
-        runs one: a Router that restarted does not know the batch and answers no)."""
-        batch = self._running.get(batch_id)
-        return batch is not None and not all(p.future.done() for p in batch)
+    def wanted_requests(self, batch_id: str) -> list[str]:
+        """The ids of a running batch's requests that still have a caller (a replica asks while
+        it runs the batch, to drop the rows of the others; none: stop it). A Router that
+        restarted does not know the batch and answers none."""
+        return [p.params.request_id for p in self._running.get(batch_id, ()) if not p.future.done()]
 
     async def _expire_callers(self) -> None:
         """Every second: the requests of callers whose lease ran out are dropped if queued,
@@ -404,6 +410,8 @@ class Router:
                         stream.cancel()
                         self._counters["cancelled_running"] += 1
                         self._counters["steps_saved"] += event["steps"] - event["step"]
+                        self._metric_cancelled.inc(tags={"scope": "batch"})
+                        self._metric_steps_saved.inc(event["steps"] - event["step"], tags={"scope": "batch"})
                         return
                 else:
                     outputs = event
@@ -412,6 +420,16 @@ class Router:
                                    f"for {len(pending)} requests")
             for p, out in zip(pending, outputs, strict=True):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
+                if out.dropped_at_step is not None:  # its caller left while it ran: its rows were dropped
+                    saved = p.params.n * (p.params.effective_steps - out.dropped_at_step)
+                    self._counters["cancelled_running_requests"] += 1
+                    self._counters["sample_steps_saved"] += saved
+                    self._metric_cancelled.inc(tags={"scope": "request"})
+                    self._metric_steps_saved.inc(saved, tags={"scope": "request"})
+                    if not p.future.done():  # cannot happen: dropped only once its caller is gone
+                        p.future.set_exception(InternalError(f"request {p.params.request_id} was dropped from "
+                                                             "its batch", request_id=p.params.request_id))
+                    continue
                 if p.future.done():
                     continue
                 if out.error is not None:  # this request alone failed inside the batch

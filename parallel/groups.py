@@ -38,18 +38,24 @@ def join(rank: int, config: ParallelConfig, master_addr: str, master_port: int, 
                             mesh_dim_names=("cfg", "ring", "ulysses"))
 
 
-def agree_to_stop(local: bool) -> bool:
-    """Whether any rank of the replica wants to stop the running batch: one all-reduce (max) of
-    a flag over the replica's process group, called by every rank at the same step boundary,
-    so all ranks stop together (a rank that stopped alone would leave the others blocked in
-    the next collective)."""
+def agree_at_boundary(stop: bool, gone: set[int], batch_size: int) -> tuple[bool, set[int]]:
+    """What every rank of the replica does at a step boundary: stop the batch if any rank
+    wants to, and drop the rows of every request (batch index) any rank knows is gone. One
+    all-reduce (max) of ``1 + batch_size`` flags over the replica's process group, called by
+    every rank at the same step boundary, so all ranks stop (or drop the same rows) together (a
+    rank that stopped alone would leave the others blocked in the next collective)."""
     import torch
     import torch.distributed as dist
 
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flags = torch.zeros(1 + batch_size, dtype=torch.int32)
+    flags[0] = int(stop)
+    for i in gone:
+        flags[1 + i] = 1
+    flags = flags.to(device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    flags = flags.cpu()
+    return bool(flags[0]), {i for i in range(batch_size) if flags[1 + i]}
 
 
 def broadcast_object(obj):

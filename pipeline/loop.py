@@ -48,7 +48,8 @@ class LoopOutput:
     images, (n, F, H, W, 3) for videos (empty on sequence-parallel ranks other than 0; None
     for a request in ``failures``). ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``:
     transformer name -> forwards run. ``failures``: batch index -> (request field, exception)
-    of the requests taken out of the batch because their own input failed."""
+    of the requests taken out of the batch because their own input failed. ``dropped``: batch
+    index -> steps done when the request's rows were dropped (nobody waited for it; no image)."""
 
     images: list[np.ndarray | None]
     denoise_ms: float
@@ -57,6 +58,7 @@ class LoopOutput:
     cfg_reused_steps: int = 0
     calls: dict | None = None
     failures: dict[int, tuple[str, Exception]] | None = None
+    dropped: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -267,17 +269,37 @@ class SequentialBranches:
                                           branch="uncond")
 
 
+SCHEDULER_ROWS = ("model_outputs", "last_sample", "sample")  # diffusers' multistep history (UniPC, DPM-Solver)
+
+
+def select_scheduler_rows(scheduler, rows: torch.Tensor) -> None:
+    """Keep only sample ``rows`` in a scheduler's per-sample history (the previous model outputs
+    a multistep scheduler such as Wan's UniPC combines with the next one), in place; Euler
+    schedulers keep none."""
+    for name in SCHEDULER_ROWS:
+        value = getattr(scheduler, name, None)
+        if isinstance(value, torch.Tensor):
+            setattr(scheduler, name, value[rows])
+        elif isinstance(value, list):
+            setattr(scheduler, name, [x[rows] if isinstance(x, torch.Tensor) else x for x in value])
+
+
 @torch.no_grad()
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
-                  on_preview=None, prepare=initial_latents, branches=None, vae_decode=None) -> LoopOutput:
+                  on_preview=None, prepare=initial_latents, branches=None, vae_decode=None,
+                  rows_gone=None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
     called after each denoising step, ``on_guide_skipped(name)`` each time CFG gating skips a
     guiding forward of transformer ``name``. ``decode=False`` (sequence-parallel ranks other
     than 0) stops after denoising and returns no images. ``should_stop()`` is asked after each
-    step; when it says so the loop raises :class:`BatchCancelled`. ``encode``: how the
+    step; when it says so the loop raises :class:`BatchCancelled`. ``rows_gone()`` is asked
+    after it: the batch indices of requests nobody waits for any more, whose sample rows are
+    then dropped from the batch (latents, conditioning, positions, the scheduler's per-sample
+    history) so the others finish alone, each as it would have (``LoopOutput.dropped``); every
+    rank must get the same answer at the same step. ``encode``: how the
     prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
     encodes on rank 0 and broadcasts); ``prepare``: how the initial latents are made
     (:func:`initial_latents`; likewise). ``branches``: who makes a step's forwards
@@ -311,7 +333,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         for j, p in enumerate(kept):
             for k, step_count in enumerate(preview_steps(num_steps, p.partial_images)):
                 previews.setdefault(step_count, []).append((j, k))
-    delta, reused, calls = None, 0, {}
+    delta, reused, calls, dropped = None, 0, {}, {}
     for i, t in enumerate(schedule.timesteps):
         step = plan[i]
         guided = step.guide is not None and i < gate_at
@@ -338,13 +360,30 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             on_step(i + 1, num_steps)
         if should_stop is not None and should_stop() and i + 1 < num_steps:
             raise BatchCancelled(i + 1, num_steps)
+        gone = [j for j, b in enumerate(keep) if b in rows_gone()] if rows_gone is not None else []
+        if gone and i + 1 < num_steps:
+            if len(gone) == len(keep):
+                raise BatchCancelled(i + 1, num_steps)
+            stays = [j for j in range(len(keep)) if j not in gone]
+            rows = torch.cat([torch.arange(splits[j], splits[j + 1]) for j in stays]).to(latents.device)
+            latents, positions = latents[rows], family.select_positions(positions, rows)
+            cond = cond.select(rows)
+            uncond = None if uncond is None else uncond.select(rows)
+            guidance = None if guidance is None else guidance[rows]
+            delta = None if delta is None else delta[rows]
+            select_scheduler_rows(scheduler, rows)
+            dropped.update({keep[j]: i + 1 for j in gone})
+            renumber = {old: new for new, old in enumerate(stays)}
+            previews = {s: [(renumber[j], k) for j, k in v if j in renumber] for s, v in previews.items()}
+            keep = [keep[j] for j in stays]
+            splits = np.cumsum([0, *(batch[b].n for b in keep)])
     synchronize(latents.device)
     t1 = time.perf_counter()
     if not decode:
         if vae_decode is not None:
             family.decode(latents, head, vae_decode=vae_decode)  # this rank's tiles, gathered on rank 0
         return LoopOutput([], (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, num_steps, reused, calls,
-                          failures or None)
+                          failures or None, dropped or None)
     images = family.decode(latents, head, vae_decode=vae_decode)  # host numpy arrays: the device has finished
     t2 = time.perf_counter()
     per_request: list[np.ndarray | None] = [None] * len(batch)
@@ -352,4 +391,4 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         per_request[i] = images[a:b]
     return LoopOutput(
         images=per_request, denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps,
-        cfg_reused_steps=reused, calls=calls, failures=failures or None)
+        cfg_reused_steps=reused, calls=calls, failures=failures or None, dropped=dropped or None)

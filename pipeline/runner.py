@@ -316,20 +316,41 @@ class BatchRunner:
             for transformer in self.family.transformers.values():
                 shard_transformer(transformer, everyone)
 
-    def stop_check(self, local=None):
-        """The per-step stop decision of a batch: ``local()`` on a single rank; on several
-        ranks rank 0's ``local()`` agreed by all (``parallel.groups.agree_to_stop``, one small
-        all-reduce per step, every rank calling it), so every rank stops at the same step."""
-        if self.world_size == 1:
-            return local
-        from parallel.groups import agree_to_stop
+    def boundary_checks(self, batch: Batch, should_stop=None, requests_gone=None):
+        """The loop's per-step decisions ``(should_stop, rows_gone)`` for ``batch``, from this
+        rank's ``should_stop()`` (stop the whole batch) and ``requests_gone()`` (request ids
+        nobody waits for). On several ranks every rank's wishes are agreed by all
+        (``parallel.groups.agree_at_boundary``: one small all-reduce per step, every rank
+        calling it), so every rank stops, or drops the same rows, at the same step."""
+        ids = [p.request_id for p in batch.requests]
+        agreed: dict[str, set[int]] = {"gone": set()}
 
-        return lambda: agree_to_stop(bool(local()) if local is not None else False)
+        def local() -> tuple[bool, set[int]]:
+            stop = bool(should_stop()) if should_stop is not None else False
+            gone = set(requests_gone()) if requests_gone is not None else set()
+            return stop, {i for i, r in enumerate(ids) if r in gone}
 
-    def denoise(self, batch: Batch, on_step=None, should_stop=None, on_preview=None) -> LoopOutput:
+        def stop() -> bool:
+            wish, gone = local()
+            if self.world_size > 1:
+                from parallel.groups import agree_at_boundary
+
+                wish, gone = agree_at_boundary(wish, gone, len(ids))
+            agreed["gone"] = gone
+            return wish
+
+        if self.world_size == 1 and should_stop is None and requests_gone is None:
+            return None, None
+        return stop, lambda: agreed["gone"]
+
+    def denoise(self, batch: Batch, on_step=None, should_stop=None, on_preview=None,
+                requests_gone=None) -> LoopOutput:
         """Move the state to the batch's signature and run the loop. Images (float32,
         (n, H, W, 3) per request) only on rank 0. ``should_stop()``: this rank's wish to stop at
-        a step boundary (``pipeline.loop.BatchCancelled``). Raises ``StateTransitionError`` when
+        a step boundary (``pipeline.loop.BatchCancelled``); ``requests_gone()``: ids of the
+        batch's requests nobody waits for, whose rows are dropped at the next step boundary
+        (not while Cache-DiT runs: its buffers hold every row's residuals, so such a batch runs
+        its rows to the end and only a whole-batch stop saves work). Raises ``StateTransitionError`` when
         the state cannot be reached, else whatever the model or cache-dit raises, after leaving
         Cache-DiT unmounted."""
         head = batch.requests[0]
@@ -337,11 +358,14 @@ class BatchRunner:
         self.prepare_state(batch.batch_id, head, schedule)
         if self.cfg is not None:  # see parallel.cfg: lockstep when every rank must make the same collectives
             self.cfg.lockstep = self.parallel.shard_weights or any(key is not None for _, key in self.state.cache_dit)
+        stop, gone = self.boundary_checks(batch, should_stop, requests_gone)
+        if any(key is not None for _, key in self.state.cache_dit):
+            gone = None  # same state on every rank: every rank keeps the rows
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped if self.cfg is None else None,
                                  decode=self.rank == 0, on_preview=on_preview,
-                                 should_stop=self.stop_check(should_stop),
+                                 should_stop=stop, rows_gone=gone,
                                  encode=conditioning if self.world_size == 1 else self._shared_conditioning,
                                  prepare=initial_latents if self.world_size == 1 else self._shared_latents,
                                  branches=self.cfg, vae_decode=self._parallel_decode if self.parallel_vae else None)
@@ -413,9 +437,11 @@ class BatchRunner:
     def _guide_skipped(self, name: str) -> None:
         self.cache[name].skip_guide_call(self.state.cache_key(name))
 
-    def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None) -> list[RequestOutput]:
+    def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None,
+            requests_gone=None) -> list[RequestOutput]:
         """``denoise`` then encode: one RequestOutput per request, in batch order (none on
-        ranks other than 0). ``on_preview(event)``: the streamed previews of requests with
+        ranks other than 0); a request whose rows were dropped (``requests_gone``) has no media
+        and ``dropped_at_step`` set. ``on_preview(event)``: the streamed previews of requests with
         ``partial_images``, each ``{"request_id", "partial_image_index", "images": [encoded]}``
         in the request's ``output_format``. The caller answers every request of a failed batch."""
         head = batch.requests[0]
@@ -426,7 +452,7 @@ class BatchRunner:
                         "images": [encode_image(v, p.output_format, p.output_compression) for v in images]})
 
         wanted = on_preview is not None and any(p.partial_images for p in batch.requests)
-        out = self.denoise(batch, on_step, should_stop, preview if wanted else None)
+        out = self.denoise(batch, on_step, should_stop, preview if wanted else None, requests_gone)
         if self.rank != 0:
             return []
         t0 = time.perf_counter()
@@ -441,10 +467,13 @@ class BatchRunner:
         encode_ms = (time.perf_counter() - t0) * 1e3
         acceleration = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
-        failures = out.failures or {}
+        failures, dropped = out.failures or {}, out.dropped or {}
         outputs = []
         for i, (p, items) in enumerate(zip(batch.requests, media, strict=True)):
-            if i in failures:
+            if i in dropped:
+                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration,
+                                             dropped_at_step=dropped[i]))
+            elif i in failures:
                 field, exc = failures[i]
                 error = InvalidRequestError(
                     f"{field} of request {p.request_id} could not be encoded by the model's tokenizer "

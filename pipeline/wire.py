@@ -231,6 +231,7 @@ class RequestOutput:
     videos: list[bytes] = field(default_factory=list)
     batch: BatchReport | None = None
     error: "DitServeError | None" = None
+    dropped_at_step: int | None = None  # its rows left the batch after this many steps: nobody waited
 
 
 class GenerationMetadata(BatchReport):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from ray import serve
 
@@ -82,3 +83,25 @@ def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
     assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
     # the replica's state is consistent after the stopped batch: the same request, the same image
     assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
+
+
+def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
+    """Two requests batched on a 2-rank replica; one caller leaves a few steps in: rank 0 learns
+    it from the Router, both ranks drop its rows at the same step, and the other request's
+    image is the one it gets alone."""
+    url = deploy({**SP2, "batching": {"max_wait_ms": 1500}}, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    stays = {**LONG, "prompt": "stays", "seed": 3}
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
+    staying = handle.generate.remote(stays)
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)
+    leaving.cancel()
+    answer = staying.result(timeout_s=600)
+    counters = router_stats(url)["counters"]
+    assert counters.get("cancelled_running_requests") == 1 and counters.get("cancelled_running", 0) == 0
+    assert 0 < counters["sample_steps_saved"] < 40
+    assert answer.ditserve.batch_size == 2
+    alone = post(url, stays, timeout=600)
+    assert alone.json()["ditserve"]["batch_size"] == 1
+    assert np.abs(pixels(answer.data[0].b64_json) - pixels(alone.json()["data"][0]["b64_json"])).max() <= 2

@@ -1,0 +1,82 @@
+"""Dropping the rows of requests nobody waits for from a running batch (``pipeline.loop``):
+the others finish exactly as an uninterrupted run of the same batch would have them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.runner import BatchRunner
+from tests.helpers import batch_of
+from tests.helpers import flux_params as params
+from tests.helpers import video_params
+
+GUIDED = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=6)
+
+
+def _gone_after(step: int, ids: set[str]):
+    """``(on_step, requests_gone)``: ``ids`` are gone once ``step`` steps have run."""
+    done = {"steps": 0}
+
+    def on_step(steps: int, _total: int) -> None:
+        done["steps"] = steps
+
+    return on_step, lambda: frozenset(ids) if done["steps"] >= step else frozenset()
+
+
+def _same_except(full, cut, gone: set[int]):
+    for i, (a, b) in enumerate(zip(full.images, cut.images, strict=True)):
+        if i in gone:
+            assert b is None
+        else:
+            assert np.abs(a - b).max() <= 1e-5, i
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return BatchRunner("tiny-flux")
+
+
+def test_flux_rows_of_a_gone_request_are_dropped_and_the_others_unchanged(flux):
+    """Three requests (one of n=2), guided with the CFG gate (its reused delta is cut too)."""
+    batch = batch_of(*(dataclasses.replace(params(f"prompt {s}", s, n=n, **GUIDED), cfg_gate_fraction=0.5)
+                       for s, n in ((1, 1), (2, 2), (3, 1))))
+    full = flux.denoise(batch)
+    on_step, gone = _gone_after(2, {"r2"})
+    cut = flux.denoise(batch, on_step=on_step, requests_gone=gone)
+    assert cut.dropped == {1: 2}
+    _same_except(full, cut, {1})
+    on_step, gone = _gone_after(1, {"r1", "r3"})
+    outputs = flux.run(batch, on_step=on_step, requests_gone=gone)
+    assert [o.dropped_at_step for o in outputs] == [1, None, 1] and outputs[0].images == []
+    assert len(outputs[1].images) == 2
+
+
+def test_wan_rows_are_dropped_from_the_multistep_scheduler_history_too():
+    """Wan's UniPC scheduler combines the previous model outputs of every row: they are cut too."""
+    runner = BatchRunner("tiny-wan")
+    fields = dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=5, size="64x64")
+    batch = batch_of(*(video_params(runner.family, f"prompt {s}", s, **fields) for s in (1, 2, 3)))
+    full = runner.denoise(batch)
+    on_step, gone = _gone_after(2, {"v1"})
+    cut = runner.denoise(batch, on_step=on_step, requests_gone=gone)
+    assert cut.dropped == {0: 2}
+    _same_except(full, cut, {0})
+
+
+def test_a_batch_running_cache_dit_keeps_its_rows(flux):
+    """Cache-DiT's buffers hold every row's residuals: its rows are not dropped, the batch runs
+    to the end, and the next batch equals a fresh run."""
+    key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.5)
+    batch = batch_of(*(dataclasses.replace(params(f"prompt {s}", s, **GUIDED), enable_cache_dit=True,
+                                           cache_dit_params=key) for s in (1, 2)))
+    on_step, gone = _gone_after(2, {"r1"})
+    cut = flux.denoise(batch, on_step=on_step, requests_gone=gone)
+    assert cut.dropped is None and all(images is not None for images in cut.images)
+    again = flux.denoise(batch)
+    fresh = BatchRunner("tiny-flux").denoise(batch)
+    for a, b in zip(again.images, fresh.images, strict=True):
+        assert np.abs(a - b).max() <= 1e-5
