@@ -180,6 +180,9 @@ class VideoJobsConfig(_Strict):
 
     ttl_s: float = Field(default=3600.0, gt=0)
     max_finished: int = Field(default=100, ge=1)
+    # Preview frames a running job decodes at evenly spaced steps (the first frame of the current
+    # prediction; GET /v1/videos/{id}/content?variant=thumbnail answers the latest); 0: none.
+    previews: int = Field(default=2, ge=0, le=3)
 
 
 class AccelerationConfig(_Strict):

@@ -34,6 +34,7 @@ class Job:
     error: dict | None = None
     output: RequestOutput | None = None
     task: asyncio.Task | None = None
+    preview: bytes | None = None  # the latest preview frame (WebP) while it runs
 
     def finish(self, status: JobStatus, error: dict | None = None) -> None:
         self.status, self.error, self.completed_at = status, error, time.time()
@@ -46,6 +47,11 @@ class Job:
             return
         self.status = JobStatus.IN_PROGRESS
         self.progress = max(self.progress, min(99, int(100 * done / steps)))
+
+    def on_preview(self, event: dict) -> None:
+        """Its batch decoded a preview of it: the first frame of the current prediction (WebP)."""
+        if self.completed_at is None and event.get("images"):
+            self.preview = event["images"][0]
 
     def view(self) -> VideoJob:
         p = self.params
@@ -141,9 +147,12 @@ class VideoJobs:
 
     def content(self, job_id: str, variant: str = "video") -> bytes:
         """The finished job's MP4 bytes (``variant`` ``video``) or its thumbnail, the first
-        frame as WebP (``thumbnail``). Raises ``NotFoundError`` (404), or
-        ``InvalidRequestError`` (400) while the job is not completed."""
+        frame as WebP (``thumbnail``; while the job runs, the first frame of its latest preview,
+        once one was decoded). Raises ``NotFoundError`` (404), or ``InvalidRequestError`` (400)
+        while the job is not completed (for a thumbnail: and has no preview yet)."""
         job = self.store.get(job_id)
+        if variant == "thumbnail" and job.status == JobStatus.IN_PROGRESS and job.preview is not None:
+            return job.preview
         if job.status != JobStatus.COMPLETED:
             raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
                                       param="video_id", code="video_not_ready")

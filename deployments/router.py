@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import itertools
 import logging
 import time
@@ -86,7 +87,9 @@ class Router:
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
         self._capacity = capacity
-        self._jobs = VideoJobs(JobStore(**(videos or {})), self._wait)
+        videos = dict(videos or {})
+        self._video_previews = int(videos.pop("previews", 0))  # preview frames a running job decodes
+        self._jobs = VideoJobs(JobStore(**videos), self._wait)
         self.reconfigure_batching(BatchingConfig().model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
@@ -475,8 +478,10 @@ class Router:
         """Admit and enqueue a video request as a job and return the job at once
         (``status: queued``). Raises ``OverloadedError`` as ``submit``."""
         self._admit(params)
+        if self._video_previews and not params.partial_images:  # not in the signature: batches alike
+            params = dataclasses.replace(params, partial_images=self._video_previews)
         job = self._jobs.store.add(params)
-        pending = self._enqueue(params, on_progress=job.on_progress)
+        pending = self._enqueue(params, on_progress=job.on_progress, on_preview=job.on_preview)
         return self._jobs.track(job, pending)
 
     def list_jobs(self) -> list[VideoJob]:

@@ -308,7 +308,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     (``parallel.vae``: each decodes its tiles, the ranks with ``decode`` off too, and gets
     nothing back); None: only ``decode`` ranks decode. ``on_preview(request index, partial index, images)``
     receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
-    the VAE decode of the x0-prediction of that request's rows only, at :func:`preview_steps`;
+    ``family.decode_preview`` of the x0-prediction of that request's rows only — a video's first
+    frame — at :func:`preview_steps`;
     only where ``decode`` is on). Raises ``ValueError`` if the batch is
     empty or mixes signatures. A request whose own text fails to encode is left out (see
     ``LoopOutput.failures``); the others run exactly as they would without it.
@@ -352,7 +353,7 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         if i + 1 in previews:
             x0 = x0_prediction(scheduler, latents, noise_pred, i)
             for j, k in previews[i + 1]:
-                on_preview(keep[j], k, family.decode(x0[splits[j]:splits[j + 1]], head))
+                on_preview(keep[j], k, family.decode_preview(x0[splits[j]:splits[j + 1]], head))
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         latents = family.after_step(latents, positions, i, scheduler, schedule.timesteps)
         if on_step is not None:

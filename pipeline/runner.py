@@ -443,20 +443,22 @@ class BatchRunner:
         ranks other than 0); a request whose rows were dropped (``requests_gone``) has no media
         and ``dropped_at_step`` set. ``on_preview(event)``: the streamed previews of requests with
         ``partial_images``, each ``{"request_id", "partial_image_index", "images": [encoded]}``
-        in the request's ``output_format``. The caller answers every request of a failed batch."""
+        in the request's ``output_format`` (a video's first frame: WebP, as its thumbnail). The caller answers every request of a failed batch."""
         head = batch.requests[0]
+
+        video = head.num_frames > 1 or self.family.temporal_factor > 0
 
         def preview(index: int, partial: int, images) -> None:
             p = batch.requests[index]
-            on_preview({"request_id": p.request_id, "partial_image_index": partial,
-                        "images": [encode_image(v, p.output_format, p.output_compression) for v in images]})
+            encoded = [encode_image(v, THUMBNAIL_FORMAT, 90) if video else
+                       encode_image(v, p.output_format, p.output_compression) for v in images]
+            on_preview({"request_id": p.request_id, "partial_image_index": partial, "images": encoded})
 
         wanted = on_preview is not None and any(p.partial_images for p in batch.requests)
         out = self.denoise(batch, on_step, should_stop, preview if wanted else None, requests_gone)
         if self.rank != 0:
             return []
         t0 = time.perf_counter()
-        video = head.num_frames > 1 or self.family.temporal_factor > 0
         media = [None if samples is None else
                  [encode_mp4(v, head.fps) if video else encode_image(v, p.output_format, p.output_compression)
                   for v in samples]

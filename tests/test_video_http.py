@@ -6,10 +6,12 @@ frame count and size checked.
 
 from __future__ import annotations
 
+import io
 import time
 
 import httpx
 import pytest
+from PIL import Image
 
 from deployments.jobs import JobStatus, JobStore
 from deployments.faults import FAULT_ENV
@@ -48,6 +50,30 @@ def poll(url, video_id, timeout_s=120):
     raise AssertionError(f"job {video_id} did not finish: {job}")
 
 
+def test_a_running_job_shows_its_latest_preview_frame_as_its_thumbnail(url):
+    """videos.previews (2 by default): a running job decodes the first frame of its current
+    prediction at evenly spaced steps, served as OpenAI's ``thumbnail`` variant until it completes."""
+    created = httpx.post(f"{url}/v1/videos", json={"prompt": "a red circle", "seed": 5, "size": "64x48",
+                                                   "num_inference_steps": 60}, timeout=30).json()
+    early = httpx.get(f"{url}/v1/videos/{created['id']}/content", params={"variant": "thumbnail"}, timeout=30)
+    previews, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/videos/{created['id']}", timeout=30).json()
+        if job["status"] != "in_progress":
+            if job["status"] in ("completed", "failed"):
+                break
+            continue
+        r = httpx.get(f"{url}/v1/videos/{created['id']}/content", params={"variant": "thumbnail"}, timeout=30)
+        if r.status_code == 200:
+            previews.append((job["progress"], r.content))
+        time.sleep(0.05)
+    assert job["status"] == "completed", job
+    assert early.status_code == 400 and early.json()["error"]["code"] == "video_not_ready"  # none decoded yet
+    assert previews and all(0 < progress < 100 for progress, _ in previews)
+    frame = Image.open(io.BytesIO(previews[-1][1]))
+    assert frame.format == "WEBP" and frame.size == (64, 48)
+
+
 def test_openai_client_creates_polls_and_downloads_an_mp4(url):
     from openai import OpenAI
 
@@ -69,10 +95,7 @@ def test_openai_client_creates_polls_and_downloads_an_mp4(url):
     assert frames.shape == (9, 48, 64, 3) and fps == 8  # 1 s at 8 fps -> 4·round(8/4) + 1 frames
     assert job.seconds == "1.125" and job.size == "64x48"
     # OpenAI's thumbnail variant: the first frame (both encodings are lossy: compared loosely)
-    import io
-
     import numpy as np
-    from PIL import Image
 
     thumbnail = Image.open(io.BytesIO(client.videos.download_content(job.id, variant="thumbnail").read()))
     assert thumbnail.format == "WEBP" and thumbnail.size == (64, 48)

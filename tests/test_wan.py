@@ -4,6 +4,7 @@ transformers run the steps they should (counted with forward hooks)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -58,6 +59,20 @@ def test_wan_loop_equals_wan_pipeline_with_cfg(wan):
     theirs = reference(wan, p)
     assert ours.shape == theirs.shape == (1, 9, 48, 64, 3)
     assert np.abs(ours - theirs).max() <= TOL
+
+
+def test_a_video_preview_is_its_first_frame_decoded_alone(wan):
+    """Wan's VAE is causal in time: the first latent frame decoded alone is the first frame of the
+    whole decode, so a running video's preview costs a fraction of a decode; the loop sends one
+    per ``partial_images`` step."""
+    p = params(wan, "a red circle", 3, num_inference_steps=4, size="64x48")
+    latents, _ = wan.prepare_latents([torch.Generator().manual_seed(3)], [1], p)
+    whole, first = wan.decode(latents, p), wan.decode_preview(latents, p)
+    assert first.shape == (1, 48, 64, 3) and np.abs(first - whole[:, 0]).max() <= 1e-5
+    previews = []
+    denoise_batch(wan, [dataclasses.replace(p, partial_images=2)],
+                  on_preview=lambda index, k, images: previews.append((index, k, images.shape)))
+    assert previews == [(0, 0, (1, 48, 64, 3)), (0, 1, (1, 48, 64, 3))]
 
 
 def test_wan_batch_of_two_equals_each_alone(wan):

@@ -147,6 +147,10 @@ class ModelFamily(Protocol):
         (:func:`run_vae`; a multi-rank replica passes a tile-parallel decode that gives None on
         ranks other than 0, and then ``decode`` returns None)."""
 
+    def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
+        """A cheap look at ``decode``'s input for streamed previews: float32 (B, H, W, 3) in
+        [0, 1] — images as ``decode`` gives them, a video its first frame only."""
+
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
         """Shard every transformer's sequence across the ranks of ``mesh`` (``parallel/``)."""
 

@@ -297,6 +297,10 @@ class FluxFamily:
             return None
         return self.pipe.image_processor.postprocess(image, output_type="np")
 
+    def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Previews are decoded as the final image."""
+        return self.decode(latents, params)
+
 
 class FluxKontextFamily(FluxFamily):
     """FLUX.1 Kontext checkpoints (``FluxKontextPipeline``): reference editing, the reference

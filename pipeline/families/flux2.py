@@ -218,3 +218,7 @@ class Flux2Family:
         if image is None:  # a rank that shares a parallel decode without gathering it
             return None
         return self.pipe.image_processor.postprocess(image, output_type="np")
+
+    def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Previews are decoded as the final image."""
+        return self.decode(latents, params)

@@ -215,3 +215,7 @@ class QwenImageFamily:
             return None
         image = image[:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="np")
+
+    def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
+        """Previews are decoded as the final image."""
+        return self.decode(latents, params)

@@ -265,3 +265,9 @@ class WanFamily:
         if video is None:  # a rank that shares a parallel decode without gathering it
             return None
         return self.pipe.video_processor.postprocess_video(video, output_type="np")
+
+    def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
+        """The first frame of each video, (B, height, width, 3) float32 in [0, 1]: Wan's VAE is
+        causal in time, so the first latent frame decodes to the first frame alone (a fraction of
+        the whole decode)."""
+        return self.decode(latents[:, :, :1], params)[:, 0]
