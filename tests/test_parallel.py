@@ -28,7 +28,7 @@ from tests.helpers import video_params
 
 def test_layout_checks():
     assert ParallelConfig(3, 1).startup_problems(num_heads=4) == [
-        "the model has 4 attention heads, not divisible by ulysses_degree=3"]
+        "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
     assert "2 placement-group bundles" in ParallelConfig(2, 2).startup_problems(num_heads=4, bundles=2)[0]
     assert ParallelConfig(2, 2).split_problems({"image tokens": 70, "text tokens": 32}) == [
         "image tokens has 70 tokens, not divisible by the 4 sequence-parallel ranks"]
@@ -197,7 +197,7 @@ def test_bad_topology_fails_at_startup(ray_cluster):
                   name="bad-topology", route_prefix="/bad")
     assert "bad-topology failed" in str(info.value)
     status = serve.status().applications["bad-topology"].deployments["DiTReplica"]
-    assert "the model has 4 attention heads, not divisible by ulysses_degree=3" in status.message
+    assert "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3" in status.message
     serve.delete("bad-topology")
 
 
