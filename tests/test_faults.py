@@ -89,12 +89,16 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     """Two requests batched on a 2-rank replica; one caller leaves a few steps in: rank 0 learns
     it from the Router, both ranks drop its rows at the same step, and the other request's
     image is the one it gets alone."""
-    url = deploy({**SP2, "batching": {"max_wait_ms": 1500}}, fresh=True)
+    url = deploy(SP2, fresh=True)
     handle = serve.get_app_handle("ditserve")
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
     stays = {**LONG, "prompt": "stays", "seed": 3}
     leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
     staying = handle.generate.remote(stays)
-    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
     time.sleep(1.0)
     leaving.cancel()
     answer = staying.result(timeout_s=600)
