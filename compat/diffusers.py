@@ -43,6 +43,9 @@ RELIES_ON = (
     Reliance("diffusers", "FluxPipeline._unpack_latents", "FLUX latent unpacking"),
     Reliance("diffusers", "FluxPipeline._prepare_latent_image_ids", "FLUX position ids"),
     Reliance("diffusers", "WanPipeline._get_t5_prompt_embeds", "Wan prompt encoding"),
+    Reliance("diffusers", "ZImageTransformer2DModel._build_unified_sequence", "SP Z-Image (the split point)"),
+    Reliance("diffusers.models.transformers.transformer_z_image", "ZSingleStreamAttnProcessor._attention_backend",
+             "per-layer kernel slot"),
     # parallel/vae.py: diffusers' tiled_decode with its tiles spread over the ranks
     Reliance("diffusers", "AutoencoderKLWan.clear_cache", "parallel tiled decode (Wan's feature cache)"),
     Reliance("diffusers", "AutoencoderKLWan.blend_v", "parallel tiled decode"),
@@ -186,3 +189,12 @@ def wan_qkv_projections(attn, hidden_states, encoder_hidden_states=None):
     from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
     return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+
+
+def replace_z_image_unified_sequence(transformer, build) -> None:
+    """Make ``transformer`` (a ``ZImageTransformer2DModel``) build its unified image + caption
+    sequence with ``build`` (same arguments and returns as its private
+    ``_build_unified_sequence``), for this instance only: where ``parallel.z_image`` splits it."""
+    if not callable(getattr(type(transformer), "_build_unified_sequence", None)):
+        raise _fail("ZImageTransformer2DModel._build_unified_sequence", AttributeError("missing"))
+    transformer._build_unified_sequence = build

@@ -107,15 +107,17 @@ class USPAttention:
         return self._layer(kernel)(query, key, value)
 
 
-def masked_ulysses_attention(query, key, value, key_mask, backend=None):
-    """Ulysses attention over shards whose keys carry a padding mask (Qwen-Image's text), which
-    yunchang's LongContextAttention cannot take: yunchang's all-to-all gathers the sequence and
-    scatters the heads, every rank all-gathers the key mask in the same rank order, attention
-    runs through diffusers' dispatcher with the mask (``backend``: the layer's kernel), and the
-    inverse all-to-all restores the shards.
+def masked_ulysses_attention(query, key, value, key_mask, backend=None, mask_is_whole: bool = False):
+    """Ulysses attention over shards whose keys carry a padding mask (Qwen-Image's text, Z-Image's
+    padded samples), which yunchang's LongContextAttention cannot take: yunchang's all-to-all
+    gathers the sequence and scatters the heads, every rank all-gathers the key mask in the same
+    rank order (unless ``mask_is_whole``: every rank already holds it), attention runs through
+    diffusers' dispatcher with the mask (``backend``: the layer's kernel), and the inverse
+    all-to-all restores the shards.
 
-    query, key, value: (B, S/N, H, D) local shards; key_mask: (B, S/N) bool, True on real keys.
-    Returns (B, S/N, H, D). Ring degree 1 only (ring merges carry no mask).
+    query, key, value: (B, S/N, H, D) local shards; key_mask: (B, S/N) bool, True on real keys
+    ((B, S) with ``mask_is_whole``; None: every key is real). Returns (B, S/N, H, D). Ring
+    degree 1 only (ring merges carry no mask).
     """
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -125,8 +127,11 @@ def masked_ulysses_attention(query, key, value, key_mask, backend=None):
     gathered = compat.seq_all_to_all(group, torch.stack([query, key, value]).flatten(0, 1), scatter_idx=2,
                                      gather_idx=1)
     q, k, v = gathered.unflatten(0, (3, query.shape[0])).unbind(0)
-    pieces = [torch.empty_like(key_mask, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(pieces, key_mask.to(torch.uint8), group=group)
-    mask = torch.cat(pieces, dim=1).bool()[:, None, None, :]  # (B, 1, 1, S): keys of every rank, rank order
+    if key_mask is None or mask_is_whole:
+        mask = None if key_mask is None else key_mask.bool()[:, None, None, :]
+    else:
+        pieces = [torch.empty_like(key_mask, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(pieces, key_mask.to(torch.uint8), group=group)
+        mask = torch.cat(pieces, dim=1).bool()[:, None, None, :]  # (B, 1, 1, S): keys of every rank, rank order
     out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
     return compat.seq_all_to_all(group, out.contiguous(), scatter_idx=1, gather_idx=2)

@@ -109,9 +109,12 @@ class ZImageFamily:
                 "text tokens": self.max_sequence_length}
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
-        """Refused: diffusers has no ``_cp_plan`` for this transformer. Raises ``ValueError``."""
-        raise ValueError("Z-Image has no sequence-parallel plan in diffusers (its unified image + caption sequence "
-                         "is built inside the transformer); serve it with world_size 1")
+        """Shard the main layers' unified sequence across the Ulysses ranks with our own split
+        hooks (``parallel.z_image``: diffusers has no ``_cp_plan`` for this transformer). Raises
+        ``ValueError`` for a ring layout."""
+        from parallel.z_image import enable_sequence_parallel
+
+        enable_sequence_parallel(self.transformer, config, mesh, rank)
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
