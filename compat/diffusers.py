@@ -131,6 +131,12 @@ def has_backend_slot(processor) -> bool:
     return hasattr(processor, "_attention_backend")
 
 
+def processor_backend(processor):
+    """The backend a processor dispatches to, as diffusers' ``dispatch_attention_fn`` takes it
+    (an ``AttentionBackendName`` or None: diffusers' default)."""
+    return processor._attention_backend
+
+
 def get_processor_backend(processor) -> str | None:
     """The backend value a processor dispatches to (None: diffusers' default)."""
     backend = processor._attention_backend

@@ -63,7 +63,7 @@ class USPQwenDoubleStreamAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         else:
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
             key_mask = torch.cat([encoder_hidden_states_mask.bool(), image_mask], dim=1)
-            joint = masked_ulysses_attention(query, key, value, key_mask, backend=self._attention_backend)
+            joint = masked_ulysses_attention(query, key, value, key_mask, backend=compat.processor_backend(self))
         joint = joint.flatten(2, 3).to(query.dtype)
         txt_out, img_out = joint[:, :seq_txt], joint[:, seq_txt:]
         img_out = attn.to_out[0](img_out.contiguous())

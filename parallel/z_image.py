@@ -56,7 +56,8 @@ class USPZSingleStreamAttnProcessor(ZSingleStreamAttnProcessor):
         if freqs_cis is not None:
             query, key = _rotary(query, freqs_cis), _rotary(key, freqs_cis)
         mask = None if attention_mask is None else attention_mask.reshape(attention_mask.shape[0], -1)
-        out = masked_ulysses_attention(query, key, value, mask, backend=self._attention_backend, mask_is_whole=True)
+        out = masked_ulysses_attention(query, key, value, mask, backend=compat.processor_backend(self),
+                                       mask_is_whole=True)
         output = attn.to_out[0](out.flatten(2, 3).to(query.dtype))
         return attn.to_out[1](output) if len(attn.to_out) > 1 else output
 
