@@ -37,9 +37,10 @@ class VaeSettings(_Strict):
     """The VAE decode (diffusers' own switches). ``slicing``: decode one sample at a time
     (``enable_slicing``: memory bounded by one sample, for large n x size; same pixels).
     ``tiling``: decode in overlapping spatial tiles blended at the seams (``enable_tiling``:
-    memory bounded by one tile, for large sizes and videos); on a multi-rank replica a video's
-    tiles are decoded in parallel across the ranks and gathered on rank 0 (``parallel.vae``),
-    the same pixels as one rank's tiled decode."""
+    memory bounded by one tile, for large sizes and videos); on a multi-rank replica the tiles of
+    an image or video are decoded in parallel across the ranks and blended on rank 0
+    (``parallel.vae``: Wan, FLUX.1, FLUX.2 and Z-Image VAEs; Qwen-Image's VAE decodes on rank 0
+    alone), the same pixels as one rank's tiled decode."""
 
     tiling: bool = False
     slicing: bool = False

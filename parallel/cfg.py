@@ -19,15 +19,26 @@ denoising step (``pipeline.loop.denoise_batch`` calls :meth:`CfgParallel.step`):
   delta exactly as on one rank.
 
 Every rank ends each step with the same predictions, so the scheduler steps agree everywhere
-and rank 0 decodes alone.
+and rank 0 decodes alone. Predictions travel in the transformer's dtype (``family.dtype``: what
+``predict`` returns, bf16 on GPU) whatever the latents' (Wan keeps float32 latents), so both
+ends of every collective agree on its bytes.
 """
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 import torch.distributed as dist
 
-KINDS = ("branches", "rows", "lone", "lockstep")  # how a step ran (counters in /v1/stats)
+
+class CfgStep(str, Enum):
+    """How a step ran on a CFG-parallel replica (``/v1/stats``: ``cfg_parallel_<kind>_steps``)."""
+
+    BRANCHES = "branches"  # conditional and guiding forwards on the two groups
+    ROWS = "rows"          # the batch's rows split across the groups
+    LONE = "lone"          # one sample: group 0 alone, broadcast
+    LOCKSTEP = "lockstep"  # both groups run the same forwards (Cache-DiT, sharded weights)
 
 
 class CfgParallel:
@@ -40,10 +51,10 @@ class CfgParallel:
         self.cfg_rank = cfg_rank
         self.source = dist.get_global_rank(group, 0)  # group 0's rank of this pair
         self.lockstep = False
-        self.counters = {f"cfg_parallel_{kind}_steps": 0 for kind in KINDS}
+        self.counters = {f"cfg_parallel_{kind.value}_steps": 0 for kind in CfgStep}
 
-    def _count(self, kind: str) -> None:
-        self.counters[f"cfg_parallel_{kind}_steps"] += 1
+    def _count(self, kind: CfgStep) -> None:
+        self.counters[f"cfg_parallel_{kind.value}_steps"] += 1
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Group 0's ``tensor`` on both ranks of the pair (same shape and dtype on both)."""
@@ -63,35 +74,36 @@ class CfgParallel:
         """One step's predictions ``(cond_pred, guide_pred or None)``, each shaped like
         ``latents`` (B, ...), identical on every rank. ``step``: a ``pipeline.loop.StepPlan``;
         ``guided``: the step makes its guiding forward (before the CFG gate)."""
+        dtype = family.dtype  # what predict returns: the wire dtype of every collective below
         if guided:
             if self.cfg_rank == 0:
                 own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
             else:
                 own = family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
-            self._count("branches")
-            cond_pred, guide_pred = self._gather(own)
+            self._count(CfgStep.BRANCHES)
+            cond_pred, guide_pred = self._gather(own.to(dtype))
             return cond_pred, guide_pred
         if self.lockstep:
             if step.guide is not None and self.cfg_rank == 1:  # after the gate: keeps its context in step
                 family.predict(latents, t, guide_cond, guidance, positions, model=step.guide, branch="uncond")
-                own = torch.empty_like(latents)
+                own = torch.empty_like(latents, dtype=dtype)
             else:
                 own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
-            self._count("lockstep")
-            return self._broadcast(own), None
+            self._count(CfgStep.LOCKSTEP)
+            return self._broadcast(own.to(dtype)), None
         batch = latents.shape[0]
         if batch == 1:
-            own = latents
+            own = torch.empty_like(latents, dtype=dtype)
             if self.cfg_rank == 0:
                 own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")
-            self._count("lone")
-            return self._broadcast(own.clone() if own is latents else own), None
+            self._count(CfgStep.LONE)
+            return self._broadcast(own.to(dtype)), None
         halves = torch.tensor_split(torch.arange(batch), 2)
         mine = halves[self.cfg_rank]
         rows = family.predict(latents[mine], t, cond.select(mine), None if guidance is None else guidance[mine],
                               family.select_positions(positions, mine), model=step.model, branch="cond")
-        padded = torch.empty_like(latents[:len(halves[0])])  # group 0's half is the larger
+        padded = torch.empty_like(latents[:len(halves[0])], dtype=dtype)  # group 0's half is the larger
         padded[:len(mine)] = rows
         first, second = self._gather(padded)
-        self._count("rows")
+        self._count(CfgStep.ROWS)
         return torch.cat([first[:len(halves[0])], second[:len(halves[1])]]), None

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # as pipeline.families.base.count_blocks
+# diffusers DiTs' block lists: FLUX.1/FLUX.2/Qwen-Image, FLUX's single stream, Wan; Z-Image's main
+# layers and its two refiners
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers", "noise_refiner",
+               "context_refiner")
 
 
 def weight_mesh(mesh=None):

@@ -99,7 +99,8 @@ def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfi
     mask) or a Ulysses degree that does not divide 32."""
     if config.ring_degree > 1:
         raise ValueError(f"Z-Image masks the padding of its unified sequence and ring attention cannot carry "
-                         f"the mask: use ulysses_degree for its sequence parallelism (ring_degree={config.ring_degree})")
+                         f"the mask: use ulysses_degree for its sequence parallelism "
+                         f"(ring_degree={config.ring_degree})")
     if SEQUENCE_MULTIPLE % config.ulysses_degree:
         raise ValueError(f"Z-Image's unified sequence is a multiple of {SEQUENCE_MULTIPLE} tokens: ulysses_degree "
                          f"must divide it (got {config.ulysses_degree})")

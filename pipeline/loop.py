@@ -364,7 +364,12 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         gone = [j for j, b in enumerate(keep) if b in rows_gone()] if rows_gone is not None else []
         if gone and i + 1 < num_steps:
             if len(gone) == len(keep):
-                raise BatchCancelled(i + 1, num_steps)
+                if not failures:  # nobody waits for anything this batch would answer
+                    raise BatchCancelled(i + 1, num_steps)
+                # the requests whose own text failed still get their 400s: end here, decoding nothing
+                dropped.update({b: i + 1 for b in keep})
+                return LoopOutput([None] * len(batch), (time.perf_counter() - t0) * 1e3, 0.0, num_steps, reused,
+                                  calls, failures, dropped)
             stays = [j for j in range(len(keep)) if j not in gone]
             rows = torch.cat([torch.arange(splits[j], splits[j + 1]) for j in stays]).to(latents.device)
             latents, positions = latents[rows], family.select_positions(positions, rows)

@@ -17,13 +17,20 @@ Both move weights only; the computation is the same, so outputs equal ``none`` e
 
 from __future__ import annotations
 
-import logging
+from enum import Enum
 
 import torch
 
-logger = logging.getLogger("ditserve.offload")
 
-OFFLOAD_MODES = ("none", "idle_expert", "group")
+class OffloadMode(str, Enum):
+    """``model.offload`` (see the module docstring)."""
+
+    NONE = "none"
+    IDLE_EXPERT = "idle_expert"
+    GROUP = "group"
+
+
+OFFLOAD_MODES = tuple(mode.value for mode in OffloadMode)
 HOST = torch.device("cpu")
 
 
@@ -32,10 +39,10 @@ def offload_problems(mode: str, *, boundary_experts: bool, torch_compile: bool) 
     problems = []
     if mode not in OFFLOAD_MODES:
         problems.append(f"model.offload must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
-    elif mode == "idle_expert" and not boundary_experts:
+    elif mode == OffloadMode.IDLE_EXPERT and not boundary_experts:
         problems.append("model.offload='idle_expert' needs a model with boundary experts (two transformers, one "
                         "running at a time: Wan 2.2 A14B with model.dual_transformer 'boundary')")
-    if mode != "none" and torch_compile:
+    if mode != OffloadMode.NONE and torch_compile:
         problems.append(f"model.offload={mode!r} moves weights between steps, which acceleration.torch_compile "
                         "would have traced as fixed: use one or the other")
     return problems
@@ -82,9 +89,9 @@ def apply_offload(mode: str, transformers: dict[str, torch.nn.Module], device) -
     Raises ``ValueError`` for an unknown mode."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(offload_problems(mode, boundary_experts=False, torch_compile=False)[0])
-    if mode == "idle_expert":
+    if mode == OffloadMode.IDLE_EXPERT:
         return IdleExpertOffload(transformers, device)
-    if mode == "group":
+    if mode == OffloadMode.GROUP:
         from diffusers.hooks import apply_group_offloading
 
         device = torch.device(device)

@@ -76,9 +76,10 @@ class BatchRunner:
 
     def __init__(self, name: str, path: str | None = None, family: str | None = None,
                  dtype: str = "float32", device: str = "cpu", dual_transformer: str | None = None,
-                 vae_slicing: bool = False, *, vae_tiling: bool = False, offload: str = "none", attention_backend: str | None = None, torch_compile: bool = False,
-                 compile_backend: str = "inductor", components: str = "all", loras: dict[str, str] | None = None,
-                 max_loaded_loras: int = 4, max_loras: int = 4, lora_max_rank: int = 64):
+                 vae_slicing: bool = False, *, vae_tiling: bool = False, offload: str = "none",
+                 attention_backend: str | None = None, torch_compile: bool = False, compile_backend: str = "inductor",
+                 components: str = "all", loras: dict[str, str] | None = None, max_loaded_loras: int = 4,
+                 max_loras: int = 4, lora_max_rank: int = 64):
         checkpoint = resolve_checkpoint(name, path)
         self.name = name
         self.family_name = family or detect_family(checkpoint)
@@ -309,6 +310,8 @@ class BatchRunner:
             from parallel.vae import supports
 
             self.parallel_vae = supports(vae)
+            if not self.parallel_vae and rank != 0:
+                self.family.pipe.vae = None  # no tile-parallel decode for this VAE: rank 0 decodes alone
         if config.shard_weights:
             from parallel.fsdp import shard_transformer, weight_mesh
 
@@ -443,7 +446,8 @@ class BatchRunner:
         ranks other than 0); a request whose rows were dropped (``requests_gone``) has no media
         and ``dropped_at_step`` set. ``on_preview(event)``: the streamed previews of requests with
         ``partial_images``, each ``{"request_id", "partial_image_index", "images": [encoded]}``
-        in the request's ``output_format`` (a video's first frame: WebP, as its thumbnail). The caller answers every request of a failed batch."""
+        in the request's ``output_format`` (a video's first frame: WebP, as its thumbnail). The
+        caller answers every request of a failed batch."""
         head = batch.requests[0]
 
         video = head.num_frames > 1 or self.family.temporal_factor > 0

@@ -188,6 +188,29 @@ def test_cfg_replica_serves_and_reports_its_layout(deploy):
     assert replica["parallel"]["cfg_degree"] == 2 and done
 
 
+@pytest.mark.parametrize("layout", [{"cfg_degree": 2}, {"cfg_degree": 2, "shard_weights": True}],
+                         ids=["cfg2", "cfg2-sharded"])
+def test_bf16_wan_whose_latents_stay_float32_agrees_on_every_rank(ray_cluster, layout):
+    """Wan keeps float32 latents while its transformers predict in bf16: the predictions group 0
+    broadcasts (a lone video; the steps after the CFG gate in lockstep) travel in the transformers'
+    dtype on both ends, so group 1's latents, and its tiles of the shared decode, match rank 0's."""
+    model = {"name": "tiny-wan", "dtype": "bfloat16", "vae": {"tiling": True}}
+    single = BatchRunner("tiny-wan", dtype="bfloat16", vae_tiling=True)
+    _small_tiles(single)
+    workers = _ranks(layout, model=model)
+    try:
+        ray.get([w.__ray_call__.remote(lambda actor: _small_tiles(actor.runner)) for w in workers])
+        for fields in (dict(guidance_scale=1.0, num_inference_steps=3, size="64x64"),
+                       dict(guidance_scale=4.0, negative_prompt="blurry", num_inference_steps=4, size="64x64",
+                            cfg_gate_step=0.5)):
+            batch = batch_of(video_params(single.family, "a red circle", 3, **fields))
+            expected = single.denoise(batch).images[0]
+            assert np.abs(expected - _run(workers, batch)[0].images[0]).max() <= 1e-3
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
 @pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "shard_weights": True},
                                     {"cfg_degree": 2, "shard_weights": True}], ids=["ulysses2", "cfg2"])
 def test_sharded_weights_equal_unsharded_with_half_the_bytes_per_rank(flux_single, ray_cluster, layout):

@@ -80,3 +80,14 @@ def test_a_batch_running_cache_dit_keeps_its_rows(flux):
     fresh = BatchRunner("tiny-flux").denoise(batch)
     for a, b in zip(again.images, fresh.images, strict=True):
         assert np.abs(a - b).max() <= 1e-5
+
+
+def test_when_every_runnable_request_is_gone_the_failed_ones_still_get_their_400(flux):
+    """A request whose own text failed to encode is answered with its 400 even when the others'
+    callers all left: the batch ends there (decoding nothing) instead of stopping as unwanted."""
+    good = params("a red circle", 1, steps=4, size=(64, 64))
+    poisoned = dataclasses.replace(good, prompt="\ud800", request_id="poison", seed=99)
+    on_step, gone = _gone_after(1, {"r1"})
+    outputs = flux.run(batch_of(poisoned, good), on_step=on_step, requests_gone=gone)
+    assert outputs[0].error is not None and outputs[0].error.status_code == 400
+    assert outputs[1].dropped_at_step == 1 and outputs[1].images == []

@@ -99,7 +99,8 @@ class FluxFamily:
         import diffusers
         from diffusers import AutoencoderKL
 
-        pipe = load_pipeline(getattr(diffusers, cls.pipeline_classes[0]), path, torch_dtype=torch_dtype, device=device, components=components,
+        pipe = load_pipeline(getattr(diffusers, cls.pipeline_classes[0]), path, torch_dtype=torch_dtype,
+                             device=device, components=components,
                              encoders=("text_encoder", "text_encoder_2", "vae"), vae_slicing=vae_slicing)
         # as FluxPipeline computes it from a loaded VAE
         factor = 2 ** (len(vae_config(pipe, path, AutoencoderKL)["block_out_channels"]) - 1)
