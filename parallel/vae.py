@@ -202,22 +202,29 @@ def _wan_blend(vae, rows: list[list[torch.Tensor]], z: torch.Tensor) -> torch.Te
         blend_height = vae.tile_sample_min_height - stride_h
         blend_width = vae.tile_sample_min_width - stride_w
 
+    dec = _blend_grid(vae, rows, blend_height, blend_width, stride_h, stride_w)[..., :sample_height, :sample_width]
+    if patch_size is not None:
+        dec = unpatchify(dec, patch_size=patch_size)
+    return torch.clamp(dec, min=-1.0, max=1.0)
+
+
+def _blend_grid(vae, rows: list[list[torch.Tensor]], blend_height: int, blend_width: int, keep_height: int,
+                keep_width: int) -> torch.Tensor:
+    """diffusers' seam blending of decoded tiles (both ``tiled_decode`` loops): in place and in
+    its order, each tile's upper edge (``vae.blend_v`` over ``blend_height`` pixels) then its left
+    edge (``blend_h``) are blended with its neighbours, the first ``keep_height`` × ``keep_width``
+    pixels kept, rows then the grid concatenated along the last two (H, W) dimensions."""
     result_rows = []
     for i, row in enumerate(rows):
         result_row = []
         for j, tile in enumerate(row):
-            # in place, in diffusers' order: a tile is blended into its right neighbour after
-            # its own upper and left edges were
             if i > 0:
                 tile = vae.blend_v(rows[i - 1][j], tile, blend_height)
             if j > 0:
                 tile = vae.blend_h(row[j - 1], tile, blend_width)
-            result_row.append(tile[:, :, :, :stride_h, :stride_w])
+            result_row.append(tile[..., :keep_height, :keep_width])
         result_rows.append(torch.cat(result_row, dim=-1))
-    dec = torch.cat(result_rows, dim=3)[:, :, :, :sample_height, :sample_width]
-    if patch_size is not None:
-        dec = unpatchify(dec, patch_size=patch_size)
-    return torch.clamp(dec, min=-1.0, max=1.0)
+    return torch.cat(result_rows, dim=-2)
 
 
 _WAN = _Tiling(5, _wan_grid, _wan_decode_tile, _wan_blend, after_tiles=lambda vae: vae.clear_cache())
@@ -240,17 +247,7 @@ def _kl_decode_tile(vae, z: torch.Tensor, i: int, j: int) -> torch.Tensor:
 def _kl_blend(vae, rows: list[list[torch.Tensor]], z: torch.Tensor) -> torch.Tensor:
     blend_extent = int(vae.tile_sample_min_size * vae.tile_overlap_factor)
     row_limit = vae.tile_sample_min_size - blend_extent
-    result_rows = []
-    for i, row in enumerate(rows):
-        result_row = []
-        for j, tile in enumerate(row):
-            if i > 0:
-                tile = vae.blend_v(rows[i - 1][j], tile, blend_extent)
-            if j > 0:
-                tile = vae.blend_h(row[j - 1], tile, blend_extent)
-            result_row.append(tile[:, :, :row_limit, :row_limit])
-        result_rows.append(torch.cat(result_row, dim=3))
-    return torch.cat(result_rows, dim=2)
+    return _blend_grid(vae, rows, blend_extent, blend_extent, row_limit, row_limit)
 
 
 _KL = _Tiling(4, _kl_grid, _kl_decode_tile, _kl_blend)
