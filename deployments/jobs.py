@@ -154,6 +154,10 @@ class VideoJobs:
         if variant == "thumbnail" and job.status == JobStatus.IN_PROGRESS and job.preview is not None:
             return job.preview
         if job.status != JobStatus.COMPLETED:
+            if variant == "thumbnail" and job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
+                raise InvalidRequestError(f"video {job_id} is {job.status} and no preview of it was decoded yet; "
+                                          "retry shortly (its thumbnail is its latest preview while it runs)",
+                                          param="video_id", code="video_not_ready")
             raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
                                       param="video_id", code="video_not_ready")
         return job.output.images[0] if variant == "thumbnail" else job.output.videos[0]
