@@ -361,7 +361,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             on_step(i + 1, num_steps)
         if should_stop is not None and should_stop() and i + 1 < num_steps:
             raise BatchCancelled(i + 1, num_steps)
-        gone = [j for j, b in enumerate(keep) if b in rows_gone()] if rows_gone is not None else []
+        gone_ids = rows_gone() if rows_gone is not None else ()
+        gone = [j for j, b in enumerate(keep) if b in gone_ids]
         if gone and i + 1 < num_steps:
             if len(gone) == len(keep):
                 if not failures:  # nobody waits for anything this batch would answer

@@ -359,10 +359,11 @@ class BatchRunner:
         head = batch.requests[0]
         schedule = plan_batch(self.family, head)
         self.prepare_state(batch.batch_id, head, schedule)
+        caching = any(key is not None for _, key in self.state.cache_dit)
         if self.cfg is not None:  # see parallel.cfg: lockstep when every rank must make the same collectives
-            self.cfg.lockstep = self.parallel.shard_weights or any(key is not None for _, key in self.state.cache_dit)
+            self.cfg.lockstep = self.parallel.shard_weights or caching
         stop, gone = self.boundary_checks(batch, should_stop, requests_gone)
-        if any(key is not None for _, key in self.state.cache_dit):
+        if caching:
             gone = None  # same state on every rank: every rank keeps the rows
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,

@@ -51,6 +51,24 @@ def video_params(family, prompt, seed, **fields) -> SamplingParams:
     return resolve_video(request, limits, request_id=f"v{seed}")
 
 
+def rank_workers(layout: dict, model: str | dict = "tiny-flux", acceleration: dict | None = None) -> list:
+    """The rank actors of a multi-rank replica with ``layout`` (``parallel`` fields), joined into
+    one process group on this node (1 torch thread each); rank 0 is ``workers[0]``. ``model``: a
+    name or a ``model`` section. The caller kills them."""
+    import ray
+
+    from deployments.rank_worker import RankWorker
+    from parallel.config import ParallelConfig
+    from parallel.groups import free_port
+
+    model = {"name": model} if isinstance(model, str) else model
+    workers = [RankWorker.options(num_cpus=0).remote(r, model, acceleration or {}, layout, 1)
+               for r in range(ParallelConfig.of(layout).world_size)]
+    port = free_port()
+    ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
+    return workers
+
+
 def batch_of(*params: SamplingParams, batch_id: str = "b") -> Batch:
     return Batch(batch_id, BatchSignature.of(params[0]), tuple(params))
 

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 import ray
 
-from deployments.rank_worker import RankWorker
 from parallel.config import ParallelConfig
-from parallel.groups import free_port
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.runner import BatchRunner
-from tests.helpers import batch_of
+from tests.helpers import batch_of, rank_workers
 from tests.helpers import flux_params as params
 from tests.helpers import video_params
 
@@ -25,15 +23,6 @@ pytestmark = pytest.mark.slow
 
 GUIDED = dict(negative="blurry", true_cfg_scale=3.0, size=(64, 64), steps=4)
 TOLERANCE = 1e-4  # float32 pixels in [0, 1]: the same forwards, gathered instead of run in turn
-
-
-def _ranks(layout: dict, model: dict | None = None, acceleration: dict | None = None):
-    config = ParallelConfig.of(layout)
-    workers = [RankWorker.options(num_cpus=0).remote(r, model or {"name": "tiny-flux"}, acceleration or {}, layout, 1)
-               for r in range(config.world_size)]
-    port = free_port()
-    ray.get([w.join.remote("127.0.0.1", port) for w in workers], timeout=300)
-    return workers
 
 
 def _run(workers, batch):
@@ -53,7 +42,7 @@ def flux_single():
 @pytest.fixture(scope="module", params=[{"cfg_degree": 2}, {"cfg_degree": 2, "ulysses_degree": 2}],
                 ids=["cfg2", "cfg2xulysses2"])
 def flux_cfg(request, ray_cluster):
-    workers = _ranks(request.param)
+    workers = rank_workers(request.param)
     yield workers
     for w in workers:
         ray.kill(w)
@@ -115,7 +104,7 @@ def test_lora_and_attention_override_run_on_every_rank(flux_single, flux_cfg):
 
 def test_torch_compile_under_cfg_parallelism_equals_one_rank(flux_single, ray_cluster):
     """Each rank compiles its transformer (the cheap "eager" backend) after its Cache-DiT mount."""
-    workers = _ranks({"cfg_degree": 2}, acceleration={"torch_compile": True, "compile_backend": "eager"})
+    workers = rank_workers({"cfg_degree": 2}, acceleration={"torch_compile": True, "compile_backend": "eager"})
     try:
         batch = batch_of(params("a red circle", 3, **GUIDED), params("a blue square", 4, **GUIDED))
         _close(flux_single.denoise(batch), _run(workers, batch)[0])
@@ -153,7 +142,7 @@ def test_wan_guided_video_with_two_transformers_equals_one_rank(ray_cluster, dua
     batch = batch_of(video_params(runner.family, "a red circle", 3, **fields),
                      video_params(runner.family, "a green star at night", 4, **fields))
     single = runner.denoise(batch)
-    workers = _ranks({"cfg_degree": 2}, model={"name": "tiny-wan-moe", "dual_transformer": dual})
+    workers = rank_workers({"cfg_degree": 2}, model={"name": "tiny-wan-moe", "dual_transformer": dual})
     try:
         out = _run(workers, batch)[0]
         assert out.calls == single.calls
@@ -197,7 +186,7 @@ def test_bf16_wan_whose_latents_stay_float32_agrees_on_every_rank(ray_cluster, l
     model = {"name": "tiny-wan", "dtype": "bfloat16", "vae": {"tiling": True}}
     single = BatchRunner("tiny-wan", dtype="bfloat16", vae_tiling=True)
     _small_tiles(single)
-    workers = _ranks(layout, model=model)
+    workers = rank_workers(layout, model=model)
     try:
         ray.get([w.__ray_call__.remote(lambda actor: _small_tiles(actor.runner)) for w in workers])
         for fields in (dict(guidance_scale=1.0, num_inference_steps=3, size="64x64"),
@@ -217,7 +206,7 @@ def test_sharded_weights_equal_unsharded_with_half_the_bytes_per_rank(flux_singl
     """FSDP2 (parallel.fsdp) under each layout: guided, unguided (under cfg 2 both groups run
     the same blocks in lockstep: FSDP gathers are collectives over every rank) and with
     Cache-DiT, each equal to one rank; each rank holds about half the transformer."""
-    workers = _ranks(layout)
+    workers = rank_workers(layout)
     try:
         guided = batch_of(params("a red circle", 3, **GUIDED), params("a blue square", 4, **GUIDED))
         _close(flux_single.denoise(guided), _run(workers, guided)[0])
@@ -250,7 +239,7 @@ def test_video_decodes_in_parallel_as_one_rank_tiled_decode(ray_cluster):
     _small_tiles(single)
     batch = batch_of(video_params(single.family, "a red circle", 3, num_inference_steps=3, size="64x64"))
     expected = single.denoise(batch)
-    workers = _ranks({"ulysses_degree": 2}, model={"name": "tiny-wan", "vae": {"tiling": True}})
+    workers = rank_workers({"ulysses_degree": 2}, model={"name": "tiny-wan", "vae": {"tiling": True}})
     try:
         assert ray.get([w.__ray_call__.remote(lambda actor: actor.runner.parallel_vae) for w in workers]) == [True] * 2
         ray.get([w.__ray_call__.remote(lambda actor: _small_tiles(actor.runner)) for w in workers])

@@ -19,7 +19,7 @@ from pipeline.runner import BatchRunner
 from pipeline.sampling import AccelerationDefaults, resolve
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.modes import GuidanceMode
-from tests.helpers import batch_of
+from tests.helpers import batch_of, rank_workers
 from tests.helpers import pixels as png_pixels
 
 TOL = 1e-4
@@ -171,18 +171,13 @@ def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
     """Prompts of different lengths: Qwen-Image's padded text and Z-Image's padded unified
     sequences are masked across the ranks (Z-Image through our own split hooks, diffusers having
     no split plan for it)."""
-    from deployments.rank_worker import RankWorker
-    from parallel.groups import free_port
-
     runner = BatchRunner(model)
     batch = batch_of(params(runner, "a red circle", 3, **guided(runner)),
                      params(runner, "a green star at night on a black background", 4,
                             **{**guided(runner), "negative_prompt": "a very blurry photo"}))
     single = runner.denoise(batch)
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(2)]
+    workers = rank_workers(layout, model)
     try:
-        port = free_port()
-        ray.get([w.join.remote("127.0.0.1", port) for w in workers])
         sharded = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)[0]
         for a, b in zip(single.images, sharded.images, strict=True):
             assert np.abs(a - b).max() <= 5e-4 and np.abs(a - b).mean() <= 5e-5

@@ -23,7 +23,7 @@ from pipeline.runner import BatchRunner
 from pipeline.tiny.data import COLORS, Scene, draw
 from pipeline.tiny.registry import resolve_checkpoint
 from pipeline.wire import ImageArray
-from tests.helpers import batch_of, flux_params, video_params
+from tests.helpers import batch_of, flux_params, rank_workers, video_params
 
 TOL = 1e-4  # max abs pixel difference, images in [0, 1]
 # Sharded attention sums in another order; true CFG (scale 3) amplifies that float32 noise to
@@ -199,14 +199,7 @@ def test_strength_runs_fewer_steps_and_cache_dit_is_sized_for_them():
 
 # -- sequence parallelism: 2 ranks equal 1 rank for every mode -----------------------------------
 def _ranks(model: str, degree: int = 2):
-    from deployments.rank_worker import RankWorker
-    from parallel.groups import free_port
-
-    layout = {"ulysses_degree": degree, "ring_degree": 1}
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(degree)]
-    port = free_port()
-    ray.get([w.join.remote("127.0.0.1", port) for w in workers])
-    return workers
+    return rank_workers({"ulysses_degree": degree, "ring_degree": 1}, model)
 
 
 def _two_ranks_equal_one(model: str, batch_params):

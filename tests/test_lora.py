@@ -18,7 +18,7 @@ from pipeline.sampling import resolve
 from pipeline.signature import BatchSignature
 from pipeline.state import ActionKind, ReplicaState, plan_transition
 from pipeline.tiny.score import style_scores
-from tests.helpers import batch_of, flux_params, pixels
+from tests.helpers import batch_of, flux_params, pixels, rank_workers
 
 MAGENTA = str(EMBEDDED_LORA_DIR / "magenta")
 OUTLINE = str(EMBEDDED_LORA_DIR / "outline")
@@ -303,15 +303,8 @@ def test_two_ranks_with_adapters_equal_one_rank(ray_cluster, runner):
     (rank 1 holds the transformer alone), and the sharded result equals one rank's."""
     import ray
 
-    from deployments.rank_worker import RankWorker
-    from parallel.groups import free_port
-
-    layout = {"ulysses_degree": 2, "ring_degree": 1}
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": "tiny-flux", "loras": {"magenta": {}}}, {},
-                                                      layout, 1) for r in range(2)]
+    workers = rank_workers({"ulysses_degree": 2, "ring_degree": 1}, {"name": "tiny-flux", "loras": {"magenta": {}}})
     try:
-        port = free_port()
-        ray.get([w.join.remote("127.0.0.1", port) for w in workers])
         for specs in ((LoraSpec("magenta", 0.7, MAGENTA), LoraSpec("outline", 1.0, OUTLINE)), ()):
             cfg = {"negative": "blurry", "true_cfg_scale": 3.0}
             batch = batch_of(_p(4, specs, **cfg), _p(5, specs, prompt="a green star at night", **cfg))

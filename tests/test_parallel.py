@@ -21,7 +21,7 @@ from parallel.config import ParallelConfig
 from parallel.groups import free_port
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.runner import BatchRunner
-from tests.helpers import batch_of
+from tests.helpers import batch_of, rank_workers
 from tests.helpers import flux_params as params
 from tests.helpers import video_params
 
@@ -54,15 +54,6 @@ def test_lse_kernel_is_exact_attention_with_its_log_sum_exp():
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-6)
 
 
-def _ranks(ray_cluster, layout: dict, acceleration: dict | None = None, model: str = "tiny-flux"):
-    config = ParallelConfig(**layout)
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, acceleration or {}, layout, 1)
-               for r in range(config.world_size)]
-    port = free_port()
-    ray.get([w.join.remote("127.0.0.1", port) for w in workers])
-    return workers
-
-
 def _denoise(workers, batch):
     outs = ray.get([w.denoise.remote(batch) for w in workers], timeout=300)
     return outs[0]  # rank 0's LoopOutput
@@ -78,7 +69,7 @@ def test_two_ranks_equal_one_rank(ray_cluster, layout):
     batch_params = (params("a red circle", 3, **CFG), params("a green star at night", 4, **CFG))
     batch = batch_of(*batch_params)
     single = BatchRunner("tiny-flux").denoise(batch)
-    workers = _ranks(ray_cluster, layout)
+    workers = rank_workers(layout)
     try:
         sharded = _denoise(workers, batch)
         for a, b in zip(single.images, sharded.images, strict=True):
@@ -100,7 +91,7 @@ def test_two_rank_wan_with_boundary_experts_equals_one_rank(ray_cluster, layout)
     batch = batch_of(*batch_params)
     single = runner.denoise(batch)
     assert set(single.calls) == {"transformer", "transformer_2"}
-    workers = _ranks(ray_cluster, layout, model="tiny-wan-moe")
+    workers = rank_workers(layout, model="tiny-wan-moe")
     try:
         sharded = _denoise(workers, batch)
         assert sharded.calls == single.calls
@@ -133,7 +124,7 @@ def test_cache_dit_decides_the_same_steps_on_every_rank(ray_cluster):
     """Each rank sees different tokens, so its local residual statistic differs; cache-dit
     reduces it over the group. With a threshold inside the range of the statistics some
     steps cache and others do not: both ranks must agree on every one (else all-to-all hangs)."""
-    workers = _ranks(ray_cluster, {"ulysses_degree": 2, "ring_degree": 1})
+    workers = rank_workers({"ulysses_degree": 2, "ring_degree": 1})
     try:
         p = params("a red circle", 3, size=(64, 64), steps=12)
         key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.99)  # < 1: measured
