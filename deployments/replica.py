@@ -18,14 +18,15 @@ from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.errors import ReplicaUnavailableError
+from pipeline.errors import BatchCancelled, ReplicaUnavailableError
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
 
 logger = logging.getLogger("ray.serve")
 EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its failing batch
-WANTED_POLL_S = 2.0  # a running batch asks the Router this often whether it still has a caller
+WANTED_POLL_S = 2.0  # the longest a running batch's long poll of its callers waits for a change
+WANTED_RPC_GRACE_S = 5.0  # beyond that, the time a Router's answer may take before it is asked again
 
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
@@ -150,19 +151,22 @@ class DiTReplica:
                 **self._runner.state_report(), **self._runner.counters()}
 
     async def _stop_when_unwanted(self, batch: Batch, stop: threading.Event, gone: dict) -> None:
-        """While a batch runs, ask the Router every ``WANTED_POLL_S`` which of its requests it
-        still wants; the ids of those it does not (their callers left) replace ``gone["ids"]``
-        (a frozenset the worker thread reads: their rows are dropped at the next step
-        boundary); when it wants none (every caller left, or the Router
+        """While a batch runs, ask the Router which of its requests it still wants (a long poll:
+        ``Router.wanted_requests`` answers as soon as a caller leaves); the ids of those it does
+        not replace ``gone["ids"]`` (a frozenset the worker thread reads: their rows are dropped
+        at the next step boundary); when it wants none (every caller left, or the Router
         that sent it died and a new one does not know it), stop the batch at the next step."""
         router = router_handle(serve.get_replica_context().app_name)
         ids = {p.request_id for p in batch.requests}
+        known = sorted(ids)
         while not stop.is_set():
-            await asyncio.sleep(WANTED_POLL_S)
-            try:
-                wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id), WANTED_POLL_S)
+            try:  # a long poll: answered when a caller leaves, or after WANTED_POLL_S
+                wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id, known, WANTED_POLL_S),
+                                                WANTED_POLL_S + WANTED_RPC_GRACE_S)
             except Exception:  # noqa: BLE001 - no Router answers yet (restarting): ask again
+                await asyncio.sleep(WANTED_POLL_S)
                 continue
+            known = sorted(wanted)
             if not wanted:
                 logger.warning("batch %s has no caller any more; stopping it at the next step", batch.batch_id)
                 stop.set()
@@ -179,20 +183,26 @@ class DiTReplica:
             self._ranks.kill()
         asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
 
-    async def run_batch(self, batch: Batch):
-        """Run one batch; an async generator (called through a streaming handle): yields
-        ``{"step": done, "steps": total}`` as denoising steps complete (and
-        ``{"preview": {...}}`` for requests that stream previews, ``BatchRunner.run``), then the
-        list of RequestOutput in batch order.
-
-        Raises ``ReplicaUnavailableError`` at once, before running anything, when the replica
-        is broken; what the model raises otherwise. When the caller cancels the stream, the
-        batch stops at the next step boundary (on every rank) and the error is re-raised.
-        """
+    def _refuse_if_broken(self) -> None:
         if self._broken:
             raise ReplicaUnavailableError(f"replica {self._replica_id} is broken ({self._broken}); the batch was "
                                           "not started", code="replica_broken")
+
+    async def run_batch(self, batch: Batch):
+        """Run one batch; an async generator (called through a streaming handle): yields
+        ``{"started": batch_id}`` once the replica takes it, ``{"step": done, "steps": total}``
+        as denoising steps complete when ``batch.report_steps`` (and ``{"preview": {...}}`` for
+        requests that stream previews, ``BatchRunner.run``), then the list of RequestOutput in
+        batch order, or ``{"cancelled_at": steps_done, "steps": steps}`` when every caller left
+        and the batch stopped at a step boundary (``_stop_when_unwanted``).
+
+        Raises ``ReplicaUnavailableError`` before starting anything when the replica is broken;
+        what the model raises otherwise. When the caller cancels the stream, the batch stops at
+        the next step boundary (on every rank) and the error is re-raised.
+        """
+        self._refuse_if_broken()
         async with self._lock:
+            self._refuse_if_broken()  # it may have broken while this batch waited for the lock
             digest = batch.signature.digest
             state_change = self._state is not None and self._state != digest
             self._state_changes += state_change
@@ -205,6 +215,8 @@ class DiTReplica:
             steps: asyncio.Queue = asyncio.Queue()
             stop = threading.Event()
 
+            yield {"started": batch.batch_id}  # from here on a failure is this batch's, not a refusal
+
             def on_step(done: int, total: int) -> None:  # called from the worker thread
                 loop.call_soon_threadsafe(steps.put_nowait, {"step": done, "steps": total})
 
@@ -213,11 +225,12 @@ class DiTReplica:
 
             gone = {"ids": frozenset()}
             requests_gone = lambda: gone["ids"]  # noqa: E731 - read from the worker thread
+            progress = on_step if batch.report_steps else None  # step events cost CPU: only when shown
             if self._ranks is None:
-                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, on_step, stop.is_set,
+                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, progress, stop.is_set,
                                                                on_preview, requests_gone))
             else:
-                work = asyncio.ensure_future(self._ranks.run(batch, on_step, stop.is_set, on_preview, requests_gone))
+                work = asyncio.ensure_future(self._ranks.run(batch, progress, stop.is_set, on_preview, requests_gone))
             watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch, stop, gone))
             work.add_done_callback(lambda _: watchdog.cancel())
             try:
@@ -236,6 +249,9 @@ class DiTReplica:
                 yield steps.get_nowait()
             try:
                 outputs = work.result()
+            except BatchCancelled as exc:  # stopped at a step boundary: every caller had left
+                yield {"cancelled_at": exc.steps_done, "steps": exc.steps}
+                return
             except GroupBroken as exc:
                 self._break(str(exc))
                 raise

@@ -97,6 +97,7 @@ class Router:
         self._idle_since: float | None = time.monotonic()  # when the last batch in flight ended (None: one is)
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
         self._running: dict[str, list[_Pending]] = {}  # batch_id -> its requests, while in flight
+        self._callers_changed: dict[str, asyncio.Event] = {}  # batch_id -> set when one of its callers left
         self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
         self._reached = time.monotonic()  # when a caller last reached this Router (submit or renewal)
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
@@ -245,11 +246,27 @@ class Router:
         """A caller (an Ingress replica) is alive: keep its requests."""
         self._reached = self._leases[caller] = time.monotonic()
 
-    def wanted_requests(self, batch_id: str) -> list[str]:
+    async def wanted_requests(self, batch_id: str, known: list[str] | None = None, wait_s: float = 0.0) -> list[str]:
         """The ids of a running batch's requests that still have a caller (a replica asks while
         it runs the batch, to drop the rows of the others; none: stop it). A Router that
-        restarted does not know the batch and answers none."""
-        return [p.params.request_id for p in self._running.get(batch_id, ()) if not p.future.done()]
+        restarted does not know the batch and answers none.
+
+        A long poll: with ``known`` (the ids the replica last heard), the answer waits until it
+        differs from ``known`` or ``wait_s`` seconds pass, so a caller's leaving reaches the
+        replica within one call's latency while nothing is sent as long as nobody leaves."""
+        def wanted() -> list[str]:
+            return sorted(p.params.request_id for p in self._running.get(batch_id, ()) if not p.future.done())
+
+        changed = self._callers_changed.get(batch_id)
+        if known is not None and changed is not None:
+            changed.clear()  # one replica polls a batch: from here on, only a new change wakes it
+            if wanted() != sorted(known):
+                return wanted()
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=max(0.0, min(float(wait_s), 60.0)))
+            except asyncio.TimeoutError:
+                pass
+        return wanted()
 
     async def _expire_callers(self) -> None:
         """Every second: the requests of callers whose lease ran out are dropped if queued,
@@ -386,16 +403,20 @@ class Router:
     async def _run(self, pending: list[_Pending], replica_id: str | None) -> None:
         dispatched = time.monotonic()
         batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", pending[0].signature,
-                      tuple(p.params for p in pending), preferred_replica=replica_id)
+                      tuple(p.params for p in pending), preferred_replica=replica_id,
+                      report_steps=any(p.on_progress is not None for p in pending))
         if replica_id is not None:
             self._claims[batch.batch_id] = replica_id
         self._running[batch.batch_id] = pending
+        changed = self._callers_changed[batch.batch_id] = asyncio.Event()
+        for p in pending:  # a caller leaving (or an answer) wakes the replica's wanted_requests
+            p.future.add_done_callback(lambda _: changed.set())
         self._metric_batch_size.observe(batch.size)
         for p in pending:
             self._metric_queue_wait.observe((dispatched - p.enqueued) * 1e3)
             if p.on_progress is not None:  # dispatched: in progress from here on
                 p.on_progress(0, p.params.effective_steps)
-        progressed = False
+        started = False
         try:
             outputs = None
             stream = self._stream.run_batch.remote(batch)
@@ -404,18 +425,23 @@ class Router:
                     target = next((p for p in pending if p.params.request_id == event["preview"]["request_id"]), None)
                     if target is not None and target.on_preview is not None and not target.future.done():
                         target.on_preview(event["preview"])
-                elif isinstance(event, dict):  # {"step": done, "steps": total}
-                    progressed = True
+                elif isinstance(event, dict) and "cancelled_at" in event:  # stopped: every caller had left
+                    saved = event["steps"] - event["cancelled_at"]
+                    self._counters["cancelled_running"] += 1
+                    self._counters["steps_saved"] += saved
+                    self._metric_cancelled.inc(tags={"scope": "batch"})
+                    self._metric_steps_saved.inc(saved, tags={"scope": "batch"})
+                    for p in pending:  # cannot happen: the replica stops only once none is wanted
+                        if not p.future.done():
+                            p.future.set_exception(InternalError(f"batch {batch.batch_id} was stopped",
+                                                                 request_id=p.params.request_id))
+                    return
+                elif isinstance(event, dict) and "started" in event:  # the replica began running it
+                    started = True
+                elif isinstance(event, dict):  # {"step": done, "steps": total} (batch.report_steps)
                     for p in pending:
                         if p.on_progress is not None:
                             p.on_progress(event["step"], event["steps"])
-                    if all(p.future.done() for p in pending):  # every caller is gone: stop the batch
-                        stream.cancel()
-                        self._counters["cancelled_running"] += 1
-                        self._counters["steps_saved"] += event["steps"] - event["step"]
-                        self._metric_cancelled.inc(tags={"scope": "batch"})
-                        self._metric_steps_saved.inc(event["steps"] - event["step"], tags={"scope": "batch"})
-                        return
                 else:
                     outputs = event
             if outputs is None or len(outputs) != len(pending):
@@ -444,7 +470,7 @@ class Router:
             self._counters["requests"] += len(pending)
         except Exception as exc:  # answer every request of the failed batch
             cause = getattr(exc, "cause", None) or exc
-            if not progressed and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
                 chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again
@@ -468,6 +494,7 @@ class Router:
                 chooser.batch_done(batch.batch_id)
             self._claims.pop(batch.batch_id, None)
             self._running.pop(batch.batch_id, None)
+            self._callers_changed.pop(batch.batch_id).set()
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle_since = time.monotonic()

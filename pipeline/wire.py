@@ -51,13 +51,16 @@ class Batch:
     """What the Router sends a replica: requests of one signature, in queue order.
 
     ``preferred_replica``: the replica the Router meant it for (Serve's request router
-    honours it when that replica is free).
+    honours it when that replica is free). ``report_steps``: the replica streams a
+    ``{"step", "steps"}`` event per denoising step (a request of the batch shows progress: a
+    video job); otherwise it sends none (each costs the replica CPU while it denoises).
     """
 
     batch_id: str
     signature: BatchSignature
     requests: tuple[SamplingParams, ...]
     preferred_replica: str | None = None
+    report_steps: bool = False
 
     @property
     def size(self) -> int:

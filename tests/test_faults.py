@@ -11,7 +11,7 @@ import pytest
 from ray import serve
 
 from deployments.faults import RANK_FAULT_ENV
-from tests.helpers import pixels, post, router_stats, wait_until
+from tests.helpers import batch_of, flux_params, pixels, post, router_stats, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +109,23 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     alone = post(url, stays, timeout=600)
     assert alone.json()["ditserve"]["batch_size"] == 1
     assert np.abs(pixels(answer.data[0].b64_json) - pixels(alone.json()["data"][0]["b64_json"])).max() <= 2
+
+
+def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_stops(deploy):
+    """The replica streams one event per denoising step only when ``report_steps`` (a video
+    job shows progress; an image batch sends none: each costs CPU while it denoises). A batch
+    no Router knows (the Router that sent it restarted) has no caller: the replica's first long
+    poll says so and it stops at the first step boundary."""
+    import dataclasses
+
+    deploy({"replica": {"num_replicas": 1, "torch_threads": 1}}, fresh=True)
+    replica = serve.get_deployment_handle("DiTReplica", "ditserve").options(stream=True)
+    for report_steps in (False, True):
+        batch = dataclasses.replace(batch_of(flux_params("unknown", 1, steps=400), batch_id=f"nobody-{report_steps}"),
+                                    report_steps=report_steps)
+        events = [event for event in replica.run_batch.remote(batch)]
+        assert events[0] == {"started": batch.batch_id}
+        stopped = events[-1]
+        assert set(stopped) == {"cancelled_at", "steps"} and stopped["steps"] == 400 and stopped["cancelled_at"] < 400
+        steps = [e["step"] for e in events[1:-1]]
+        assert steps == (list(range(1, stopped["cancelled_at"] + 1)) if report_steps else [])
