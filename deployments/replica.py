@@ -26,6 +26,7 @@ from pipeline.wire import Batch, BatchReport, ModelFacts
 logger = logging.getLogger("ray.serve")
 EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its failing batch
 WANTED_POLL_S = 2.0  # the longest a running batch's long poll of its callers waits for a change
+WANTED_FIRST_POLL_S = 0.25  # a batch's first long poll waits this long (a shorter batch needs none: RPCs cost CPU)
 WANTED_RPC_GRACE_S = 5.0  # beyond that, the time a Router's answer may take before it is asked again
 
 
@@ -159,6 +160,7 @@ class DiTReplica:
         router = router_handle(serve.get_replica_context().app_name)
         ids = {p.request_id for p in batch.requests}
         known = sorted(ids)
+        await asyncio.sleep(WANTED_FIRST_POLL_S)
         while not stop.is_set():
             try:  # a long poll: answered when a caller leaves, or after WANTED_POLL_S
                 wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id, known, WANTED_POLL_S),
@@ -215,8 +217,6 @@ class DiTReplica:
             steps: asyncio.Queue = asyncio.Queue()
             stop = threading.Event()
 
-            yield {"started": batch.batch_id}  # from here on a failure is this batch's, not a refusal
-
             def on_step(done: int, total: int) -> None:  # called from the worker thread
                 loop.call_soon_threadsafe(steps.put_nowait, {"step": done, "steps": total})
 
@@ -226,6 +226,7 @@ class DiTReplica:
             gone = {"ids": frozenset()}
             requests_gone = lambda: gone["ids"]  # noqa: E731 - read from the worker thread
             progress = on_step if batch.report_steps else None  # step events cost CPU: only when shown
+            steps.put_nowait({"started": batch.batch_id})  # from here on a failure is this batch's, not a refusal
             if self._ranks is None:
                 work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, progress, stop.is_set,
                                                                on_preview, requests_gone))
