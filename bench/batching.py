@@ -31,11 +31,13 @@ from deployments.app import build_app  # noqa: E402
 from parallel.groups import free_port  # noqa: E402
 
 
-def app_args(max_batch_size: int, replicas: int, threads: int, affinity: bool = True) -> dict:
+def app_args(max_batch_size: int, replicas: int, threads: int, affinity: bool = True,
+             switch_cost_ms: float = 250) -> dict:
     return {"replica": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": threads},
                         "torch_threads": threads},
             "batching": {"max_batch_size": max_batch_size, "max_wait_ms": 10, "affinity": affinity,
-                         "max_affinity_wait_ms": 2000, "routing_stats_period_s": 0.5}}
+                         "affinity_switch_cost_ms": switch_cost_ms, "max_affinity_wait_ms": 2000,
+                         "routing_stats_period_s": 0.5}}
 
 
 def burst(client: httpx.Client, url: str, bodies: list[dict], concurrency: int,
@@ -68,6 +70,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--mixed-rounds", type=int, default=3)
+    ap.add_argument("--switch-costs", type=float, nargs="+", default=[250, 100],
+                    help="affinity_switch_cost_ms of the affinity routers compared with the default one "
+                         "(the first is the configuration default; the others show the trade-off)")
     ns = ap.parse_args()
 
     port = free_port("127.0.0.1")
@@ -98,28 +104,41 @@ def main() -> None:
         print(f"  max_batch_size=8: {r8:6.2f} images/s   (mean batch size {statistics.mean(sizes['bs8']):.1f})")
         print(f"  batching speed-up: {r8 / r1:.2f}x   target >= 2.5x: {'MET' if r8 / r1 >= 2.5 else 'MISSED'}")
 
-        # 2. state changes, affinity vs default router
-        serve.run(build_app(app_args(4, 2, 1, affinity=True)), name="affinity", route_prefix="/affinity")
-        serve.run(build_app(app_args(4, 2, 1, affinity=False)), name="default", route_prefix="/default")
+        # 2. state changes, affinity (at several affinity_switch_cost_ms) vs default router, rounds alternated
+        apps = {"default": app_args(4, 2, 1, affinity=False)}
+        for cost_ms in ns.switch_costs:
+            apps[f"affinity, switch {cost_ms:g} ms"] = app_args(4, 2, 1, affinity=True, switch_cost_ms=cost_ms)
+        routes = {}
+        for i, (name, args) in enumerate(apps.items()):
+            routes[name] = f"{base}/mixed{i}/v1/images/generations"
+            serve.run(build_app(args), name=f"mixed{i}", route_prefix=f"/mixed{i}")
         rng = random.Random(0)
         workload = [{"prompt": f"p{i}", "seed": i, "num_inference_steps": rng.choice([2, 3, 4, 5])}
                     for i in range(ns.requests)]
-        changes, latencies = {}, {"affinity": [], "default": []}
-        for name in ("affinity", "default"):
-            burst(client, f"{base}/{name}/v1/images/generations", workload[:8], 8)  # warm-up
-            _, metas = burst(client, f"{base}/{name}/v1/images/generations", workload, 8, latencies[name])
-            batches = {m["batch_id"]: m for m in metas}.values()
-            changes[name] = (sum(m["state_change"] for m in batches), len(batches))
-        per100 = {k: 100 * c / ns.requests for k, (c, _) in changes.items()}
-        print(f"{ns.requests} requests over 4 signatures, 2 replicas, 8 concurrent clients")
-        for name in ("affinity", "default"):
+        changes = {name: [0, 0] for name in apps}  # state changes, batches
+        latencies = {name: [] for name in apps}
+        for name in apps:
+            burst(client, routes[name], workload[:8], 8)  # warm-up
+        for _ in range(ns.mixed_rounds):
+            for name in apps:
+                _, metas = burst(client, routes[name], workload, 8, latencies[name])
+                batches = {m["batch_id"]: m for m in metas}.values()
+                changes[name][0] += sum(m["state_change"] for m in batches)
+                changes[name][1] += len(batches)
+        total = ns.requests * ns.mixed_rounds
+        per100 = {name: 100 * c / total for name, (c, _) in changes.items()}
+        print(f"{ns.requests} requests over 4 signatures x {ns.mixed_rounds} alternated rounds, 2 replicas, "
+              f"8 concurrent clients, max_batch_size 4")
+        for name in apps:
             c, b = changes[name]
-            print(f"  {name:8s} router: {per100[name]:5.1f} state changes per 100 requests ({c} in {b} batches), "
+            print(f"  {name:26s}: {per100[name]:5.1f} state changes per 100 requests ({c} in {b} batches), "
                   f"latency p99 {p99(latencies[name]):.0f} ms")
-        ratio = per100["affinity"] / per100["default"] if per100["default"] else float("nan")
-        slower = p99(latencies["affinity"]) / p99(latencies["default"])
-        print(f"  affinity / default: {ratio:.2f}   target <= 0.5: {'MET' if ratio <= 0.5 else 'MISSED'}; "
-              f"p99 affinity / default: {slower:.2f}   target <= 1.10: {'MET' if slower <= 1.10 else 'MISSED'}")
+        for name in list(apps)[1:]:
+            ratio = per100[name] / per100["default"] if per100["default"] else float("nan")
+            slower = p99(latencies[name]) / p99(latencies["default"])
+            print(f"  {name:26s}: changes / default {ratio:.2f} (target <= 0.5: "
+                  f"{'MET' if ratio <= 0.5 else 'MISSED'}); p99 / default {slower:.2f} (target <= 1.10: "
+                  f"{'MET' if slower <= 1.10 else 'MISSED'})")
     finally:
         serve.shutdown()
         ray.shutdown()

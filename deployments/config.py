@@ -157,8 +157,12 @@ class BatchingConfig(_Strict):
     optional cap on pixels × frames × n per batch. ``max_wait_ms``: how long the oldest
     request of a queue may wait for company. ``max_queued_requests``: beyond it, 429.
     ``affinity``: prefer replicas already in the batch's state (off: FIFO over queues and
-    Serve's default power-of-two-choices router). ``max_affinity_wait_ms``: the longest a
-    queue waits for its matching replica before any free replica takes it.
+    Serve's default power-of-two-choices router). ``affinity_switch_cost_ms``: a state
+    change priced in waiting: a free replica leaves its own state's queue for another only
+    when that queue's oldest request waited longer by this much, and a queue whose state a
+    busy replica holds waits for it this long (``deployments.scheduling``, rule 3).
+    ``max_affinity_wait_ms``: the hard bound: a queue whose oldest request waited this long
+    goes first, to any free replica.
     ``routing_stats_period_s``: how often replicas report their state to the router.
     ``max_batch_priority_wait_ms``: requests of ``priority: batch`` are served after
     interactive ones, until they have waited this long (their starvation bound).
@@ -169,6 +173,7 @@ class BatchingConfig(_Strict):
     max_wait_ms: float = Field(default=10.0, ge=0)
     max_queued_requests: int = Field(default=256, ge=1)
     affinity: bool = True
+    affinity_switch_cost_ms: float = Field(default=250.0, ge=0, le=600_000)
     max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     max_batch_priority_wait_ms: float = Field(default=30_000.0, ge=0)

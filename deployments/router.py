@@ -135,6 +135,7 @@ class Router:
         self._max_batch_cost = batching.get("max_batch_cost")
         self._affinity = bool(batching.get("affinity", True))
         self._max_affinity_wait_s = float(batching.get("max_affinity_wait_ms", 2000)) / 1e3
+        self._switch_cost_s = float(batching.get("affinity_switch_cost_ms", 250)) / 1e3
         self._max_batch_priority_wait_s = float(batching.get("max_batch_priority_wait_ms", 30_000)) / 1e3
 
     async def model_facts(self) -> ModelFacts:
@@ -382,6 +383,7 @@ class Router:
                 queues, replicas, max_batch_size=self._max_batch_size, max_wait_s=self._max_wait_s,
                 max_affinity_wait_s=self._max_affinity_wait_s, max_batch_cost=self._max_batch_cost,
                 affinity=self._affinity, idle_s=None if self._idle_since is None else now - self._idle_since,
+                switch_cost_s=self._switch_cost_s,
             ) if queues else None
             if decision is not None and self._inflight < len(replicas):
                 self._counters[f"routing_{decision.reason}"] += 1
@@ -392,7 +394,7 @@ class Router:
                     self._run(self._cut(decision.signature), decision.replica_id if known else None))
                 continue
             timeout = next_wakeup_s(queues, max_wait_s=self._max_wait_s,
-                                    max_affinity_wait_s=self._max_affinity_wait_s)
+                                    max_affinity_wait_s=self._max_affinity_wait_s, switch_cost_s=self._switch_cost_s)
             if queues:
                 timeout = REPLICA_POLL_S if timeout is None else min(timeout, REPLICA_POLL_S)
             try:

@@ -98,7 +98,8 @@ def test_routing_prefers_replicas_holding_the_adapters():
         return QueueView(sig, head_age_s=age, images=1, cost=1.0, urgent_age_s=age, loras=frozenset(loras))
 
     def choose(queues, replicas):
-        return choose_queue(queues, replicas, max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0)
+        return choose_queue(queues, replicas, max_batch_size=8, max_wait_s=0.0, max_affinity_wait_s=2.0,
+                            switch_cost_s=0.25)
 
     r1 = ReplicaView("r1", "sig-x", False, frozenset({"outline"}))
     r2 = ReplicaView("r2", "sig-y", False, frozenset({"magenta", "outline"}))
@@ -109,14 +110,18 @@ def test_routing_prefers_replicas_holding_the_adapters():
     both = queue("sig-mo", 1.0, {"magenta", "other"})
     fresh = ReplicaView("r0", None, False)
     assert choose([both], [fresh, r2]) == Decision("sig-mo", RoutingDecision.MISS, "r2")
-    # loaded only on a busy replica: wait for it, up to the starvation bound, then any free one
+    # loaded only on a busy replica: wait for it while younger than the switch cost, then a free one
     busy = ReplicaView("r3", "sig-z", True, frozenset({"magenta"}))
-    assert choose([queue("sig-m", 1.0, {"magenta"})], [fresh, busy]) is None
+    assert choose([queue("sig-m", 0.1, {"magenta"})], [fresh, busy]) is None
+    assert choose([queue("sig-m", 0.3, {"magenta"})], [fresh, busy]) == Decision("sig-m", RoutingDecision.MISS, "r0")
     assert choose([queue("sig-m", 2.5, {"magenta"})], [fresh, busy]).replica_id == "r0"
     # a replica whose state another ready queue (without adapters) wants stays that queue's hit
+    # (unless the adapters' queue waited longer by the switch cost)
     plain = ReplicaView("r4", "sig-plain", False, frozenset({"magenta"}))
-    assert choose([queue("sig-m", 1.0, {"magenta"}), queue("sig-plain", 0.5, ())], [plain]) == Decision(
+    assert choose([queue("sig-m", 0.6, {"magenta"}), queue("sig-plain", 0.5, ())], [plain]) == Decision(
         "sig-plain", RoutingDecision.HIT, "r4")
+    assert choose([queue("sig-m", 1.0, {"magenta"}), queue("sig-plain", 0.5, ())], [plain]) == Decision(
+        "sig-m", RoutingDecision.MISS, "r4")
 
 
 # -- the replica state, on the embedded model ---------------------------------------------

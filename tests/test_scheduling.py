@@ -7,7 +7,7 @@ import pytest
 from deployments.scheduling import Decision, QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
 from pipeline.modes import Priority
 
-KW = dict(max_batch_size=4, max_wait_s=0.010, max_affinity_wait_s=0.5)
+KW = dict(max_batch_size=4, max_wait_s=0.010, max_affinity_wait_s=0.5, switch_cost_s=0.25)
 
 
 def q(sig, age, images=1):
@@ -29,18 +29,32 @@ def r(rid, state, busy=False):
     ([q("A", 0.02)], [r("1", "B"), r("2", "A")], Decision("A", "hit", "2")),
     # oldest ready queue whose matching replica is busy waits; a younger one with a free match goes
     ([q("A", 0.2), q("B", 0.02)], [r("1", "A", busy=True), r("2", "B")], Decision("B", "hit", "2")),
-    # matching replica busy, nothing else to do: wait for it (below the affinity bound)
+    # matching replica busy, nothing else to do: wait for it (below the switch cost)
     ([q("A", 0.2)], [r("1", "A", busy=True), r("2", "B")], None),
     # ... until the head starves: any free replica takes it
     ([q("A", 0.6)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "starvation", "2")),
+    # a starving queue goes before a hit
+    ([q("A", 0.6), q("B", 0.55)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "starvation", "2")),
     # a signature no replica holds takes a free replica, preferring one whose state nobody wants
     ([q("C", 0.02), q("A", 0.001)], [r("1", "A"), r("2", "B")], Decision("C", "miss", "2")),
     # fresh replicas switch first
     ([q("C", 0.02)], [r("1", "A"), r("2", None)], Decision("C", "miss", "2")),
     # a free replica whose own state still has queued work does not switch away from it
     ([q("C", 0.02), q("A", 0.001)], [r("1", "A"), r("2", "B", busy=True)], None),
-    # the unheld queue with the most images gets the switch
-    ([q("C", 0.03), q("D", 0.02, images=3)], [r("1", "A")], Decision("D", "miss", "1")),
+    # a switch goes to the longest-waiting queue; equal waits: the serving order (oldest head first)
+    ([q("C", 0.03), q("D", 0.02, images=3)], [r("1", "A")], Decision("C", "miss", "1")),
+    # a replica leaves queued work in its state for a queue older by more than the switch cost
+    ([q("C", 0.25), q("A", 0.04)], [r("1", "A")], Decision("A", "hit", "1")),
+    ([q("C", 0.30), q("A", 0.04)], [r("1", "A"), r("2", "B")], Decision("C", "miss", "2")),
+    ([q("C", 0.30), q("A", 0.001)], [r("1", "A")], Decision("C", "miss", "1")),
+    # ... also when its own queue is not ready yet (it waits for it otherwise)
+    ([q("C", 0.20), q("A", 0.001)], [r("1", "A")], None),
+    # a queue held by a busy replica waits for it while younger than the switch cost, then a
+    # free replica switches for it (before the starvation bound)
+    ([q("A", 0.2)], [r("1", "A", busy=True), r("2", "B")], None),
+    ([q("A", 0.3)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "miss", "2")),
+    # of two switches, the unheld queue wins over the busy replica's (its next hit stays)
+    ([q("A", 0.4), q("C", 0.3)], [r("1", "A", busy=True), r("2", "B")], Decision("C", "miss", "2")),
 ])
 def test_affinity_table(queues, replicas, expected):
     assert choose_queue(queues, replicas, **KW) == expected
@@ -102,4 +116,5 @@ def test_cost_cap_makes_a_queue_ready():
 def test_next_wakeup_is_the_nearest_bound():
     assert next_wakeup_s([], max_wait_s=0.01, max_affinity_wait_s=0.5) is None
     assert next_wakeup_s([q("A", 0.004)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.006)
-    assert next_wakeup_s([q("A", 0.1)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.4)
+    assert next_wakeup_s([q("A", 0.1)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.15)  # switch cost
+    assert next_wakeup_s([q("A", 0.3)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.2)
