@@ -120,7 +120,11 @@ def test_affinity_keeps_replicas_in_their_state(url):
     assert counters.get("routing_hit", 0) > counters.get("routing_miss", 0)
 
 
-def test_starved_queue_is_served_within_its_bound(url):
+def test_starved_queue_is_served_within_its_bound(deploy):
+    """A switch priced above the starvation bound (affinity_switch_cost_ms 1000 > 400): a queue
+    whose state the busy replica holds waits for it until the bound, then the free one takes it."""
+    url = deploy({**TWO_REPLICAS, "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 1000}},
+                 fresh=True)
     with ThreadPoolExecutor(3) as pool:
         slow = pool.submit(post, url, {"prompt": "slow", "seed": 1, **SLOW})
         wait_until(lambda: stats(url)["inflight_batches"] == 1)
