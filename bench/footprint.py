@@ -35,7 +35,8 @@ def serve_processes() -> dict[str, int]:
         except OSError:
             continue
         if cmdline.startswith("ray::Serve"):
-            found[cmdline.split(" ")[0].removeprefix("ray::")] = int(entry)
+            # the title, without the method a worker runs now (ray::ServeController.listen_for_change)
+            found[cmdline.split(" ")[0].removeprefix("ray::").split(".")[0]] = int(entry)
     return found
 
 
