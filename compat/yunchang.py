@@ -62,6 +62,13 @@ def ulysses_group():
     return PROCESS_GROUP.ULYSSES_PG
 
 
+def ring_group():
+    """The ring process group ``set_seq_parallel_pg`` made (``yunchang.globals.PROCESS_GROUP``)."""
+    from yunchang.globals import PROCESS_GROUP
+
+    return PROCESS_GROUP.RING_PG
+
+
 def seq_all_to_all(group, x, scatter_idx: int, gather_idx: int):
     """yunchang's 4-D all-to-all: (B, S/N, H, D) → (B, S, H/N, D) with ``scatter_idx=2,
     gather_idx=1``, and back with ``scatter_idx=1, gather_idx=2``."""

@@ -102,9 +102,44 @@ class USPAttention:
             self._layers[key] = compat.long_context_attention(attn_type, attn_processor=processor)
         return self._layers[key]
 
-    def __call__(self, query, key, value, kernel: str | None = None):
-        """(B, S/N, H, D) shards → attention over the full sequence, (B, S/N, H, D)."""
-        return self._layer(kernel)(query, key, value)
+    def __call__(self, query, key, value, kernel: str | None = None, softmax_scale: float | None = None):
+        """(B, S/N, H, D) shards → attention over the full sequence, (B, S/N, H, D).
+        ``softmax_scale``: None for D ** -0.5."""
+        return self._layer(kernel)(query, key, value, softmax_scale=softmax_scale)
+
+
+MASK_HEAD_PAD = 8  # head-dim channels masked_usp_attention adds (kernels want head dims in multiples of 8)
+MASK_BIAS = 1e4  # the score a masked key loses: exp(-1e4) is 0 in every float format
+
+
+def masked_usp_attention(usp: USPAttention, query, key, value, key_mask, kernel: str | None = None):
+    """Attention over sequence shards whose keys carry a padding mask, through any yunchang
+    layout (Ulysses, ring, or both): the mask rides in the keys themselves. Every head gets
+    ``MASK_HEAD_PAD`` channels: the query's first is ``c``, a masked key's is ``-c``, a real
+    key's 0, the values' 0, with ``c = sqrt(MASK_BIAS / scale)``, so a masked key's score drops
+    by ``MASK_BIAS`` (its softmax weight and its share of the log-sum-exp become exactly 0)
+    and a real key's is unchanged; the padding channels of the output are dropped. The keys'
+    channels travel with the keys through every all-to-all and ring hop, which is what lets a
+    ring layout mask keys other ranks hold (yunchang's ring merges take no mask).
+    Costs ``MASK_HEAD_PAD / D`` more attention FLOPs.
+
+    query, key, value: (B, S/N, H, D) local shards; key_mask: (B, S/N) bool, True on this
+    rank's real keys (None: every key is real). Returns (B, S/N, H, D) in query's dtype.
+    """
+    if key_mask is None:
+        return usp(query, key, value, kernel=kernel)
+    head_dim = query.shape[-1]
+    scale = head_dim ** -0.5
+    c = (MASK_BIAS / scale) ** 0.5
+    shape = (*query.shape[:-1], MASK_HEAD_PAD)
+    q_pad = torch.zeros(shape, dtype=query.dtype, device=query.device)
+    q_pad[..., 0] = c
+    k_pad = torch.zeros((*key.shape[:-1], MASK_HEAD_PAD), dtype=key.dtype, device=key.device)
+    k_pad[..., 0] = torch.where(key_mask.bool(), 0.0, -c).to(key.dtype)[:, :, None]
+    v_pad = torch.zeros((*value.shape[:-1], MASK_HEAD_PAD), dtype=value.dtype, device=value.device)
+    out = usp(torch.cat([query, q_pad], -1), torch.cat([key, k_pad], -1), torch.cat([value, v_pad], -1),
+              kernel=kernel, softmax_scale=scale)
+    return out[..., :head_dim]
 
 
 def masked_ulysses_attention(query, key, value, key_mask, backend=None, mask_is_whole: bool = False):

@@ -3,9 +3,10 @@
 Inputs are split and the output gathered by diffusers' own context-parallel hooks from the
 model's ``_cp_plan`` (image and text tokens, the text mask and both rotary tables split along
 the sequence; ``proj_out`` gathered). Attention runs through yunchang: without padded text,
-``LongContextAttention`` (Ulysses); with it, :func:`parallel.attention.masked_ulysses_attention`
-(yunchang's all-to-all, the key mask all-gathered). Ring layouts are refused at startup: ring
-merges cannot carry the text mask.
+``LongContextAttention`` (Ulysses, ring or both); with it, under Ulysses alone
+:func:`parallel.attention.masked_ulysses_attention` (yunchang's all-to-all, the key mask
+all-gathered), with a ring :func:`parallel.attention.masked_usp_attention` (each shard's key
+mask carried in its keys through every hop).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from diffusers.models.transformers.transformer_qwenimage import (QwenDoubleStrea
                                                                  apply_rotary_emb_qwen)
 
 from compat import diffusers as compat
-from parallel.attention import USPAttention, masked_ulysses_attention
+from parallel.attention import USPAttention, masked_ulysses_attention, masked_usp_attention
 from parallel.config import ParallelConfig
 from parallel.kernels import kernel_for_backend
 from parallel.sharding import apply_sequence_split
@@ -63,7 +64,11 @@ class USPQwenDoubleStreamAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         else:
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
             key_mask = torch.cat([encoder_hidden_states_mask.bool(), image_mask], dim=1)
-            joint = masked_ulysses_attention(query, key, value, key_mask, backend=compat.processor_backend(self))
+            if self.usp.ring_degree == 1:
+                joint = masked_ulysses_attention(query, key, value, key_mask, backend=compat.processor_backend(self))
+            else:
+                joint = masked_usp_attention(self.usp, query, key, value, key_mask,
+                                             kernel=kernel_for_backend(backend))
         joint = joint.flatten(2, 3).to(query.dtype)
         txt_out, img_out = joint[:, :seq_txt], joint[:, seq_txt:]
         img_out = attn.to_out[0](img_out.contiguous())
@@ -73,12 +78,7 @@ class USPQwenDoubleStreamAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
 
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
-    """Shard a Qwen-Image ``transformer``'s sequence across the mesh. Raises ``ValueError`` for a
-    ring layout (``ring_degree`` > 1): padded text needs masked attention, which ring merges
-    cannot carry."""
-    if config.ring_degree > 1:
-        raise ValueError(f"Qwen-Image masks padded text tokens and ring attention cannot carry the mask: "
-                         f"use ulysses_degree for its sequence parallelism (ring_degree={config.ring_degree})")
+    """Shard a Qwen-Image ``transformer``'s sequence across the mesh."""
     usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         if isinstance(getattr(module, "processor", None), QwenDoubleStreamAttnProcessor2_0):

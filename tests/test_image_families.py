@@ -165,12 +165,14 @@ def test_compile_after_mount_once(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model, layout", [
     ("tiny-flux2", {"ulysses_degree": 2, "ring_degree": 1}), ("tiny-flux2", {"ulysses_degree": 1, "ring_degree": 2}),
-    ("tiny-qwen-image", {"ulysses_degree": 2, "ring_degree": 1}), ("tiny-z-image", {"ulysses_degree": 2})],
-    ids=["flux2-ulysses2", "flux2-ring2", "qwen-ulysses2", "z-image-ulysses2"])
+    ("tiny-qwen-image", {"ulysses_degree": 2, "ring_degree": 1}), ("tiny-qwen-image", {"ring_degree": 2}),
+    ("tiny-z-image", {"ulysses_degree": 2}), ("tiny-z-image", {"ring_degree": 2})],
+    ids=["flux2-ulysses2", "flux2-ring2", "qwen-ulysses2", "qwen-ring2", "z-image-ulysses2", "z-image-ring2"])
 def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
     """Prompts of different lengths: Qwen-Image's padded text and Z-Image's padded unified
     sequences are masked across the ranks (Z-Image through our own split hooks, diffusers having
-    no split plan for it)."""
+    no split plan for it); under a ring the mask rides in the keys
+    (``parallel.attention.masked_usp_attention``)."""
     runner = BatchRunner(model)
     batch = batch_of(params(runner, "a red circle", 3, **guided(runner)),
                      params(runner, "a green star at night on a black background", 4,
@@ -196,14 +198,15 @@ def test_two_ranks_equal_one_rank(ray_cluster, model, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, layout, reason", [
-    ("tiny-qwen-image", {"ulysses_degree": 1, "ring_degree": 2}, "ring attention cannot carry the mask"),
-    ("tiny-z-image", {"ulysses_degree": 1, "ring_degree": 2}, "ring attention cannot carry the mask")],
-    ids=["qwen-ring2", "z-image-ring2"])
+    ("tiny-z-image", {"ulysses_degree": 1, "ring_degree": 3}, "ulysses_degree x ring_degree must divide it")],
+    ids=["z-image-ring3"])
 def test_layouts_a_family_cannot_split_are_refused_at_startup(ray_cluster, model, layout, reason):
+    """Z-Image's unified sequence is a multiple of 32 tokens: 3 ranks cannot share it evenly."""
     from deployments.rank_worker import RankWorker
     from parallel.groups import free_port
 
-    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(2)]
+    world_size = layout.get("ulysses_degree", 1) * layout.get("ring_degree", 1)
+    workers = [RankWorker.options(num_cpus=0).remote(r, {"name": model}, {}, layout, 1) for r in range(world_size)]
     try:
         port = free_port()
         with pytest.raises(ray.exceptions.RayTaskError, match=reason):

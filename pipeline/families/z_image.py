@@ -109,9 +109,9 @@ class ZImageFamily:
                 "text tokens": self.max_sequence_length}
 
     def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
-        """Shard the main layers' unified sequence across the Ulysses ranks with our own split
-        hooks (``parallel.z_image``: diffusers has no ``_cp_plan`` for this transformer). Raises
-        ``ValueError`` for a ring layout."""
+        """Shard the main layers' unified sequence across the sequence-parallel ranks with our own
+        split hooks (``parallel.z_image``: diffusers has no ``_cp_plan`` for this transformer).
+        Raises ``ValueError`` when ``ulysses_degree x ring_degree`` does not divide 32."""
         from parallel.z_image import enable_sequence_parallel
 
         enable_sequence_parallel(self.transformer, config, mesh, rank)
