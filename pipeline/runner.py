@@ -162,7 +162,8 @@ class BatchRunner:
             boundary_ratio=self.family.boundary_ratio, special_tokens=self.family.special_tokens,
             scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
             max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold,
-            min_steps=self.family.min_steps, true_cfg_default=self.family.true_cfg_default)
+            min_steps=self.family.min_steps, true_cfg_default=self.family.true_cfg_default,
+            sequence_multiple=self.family.sequence_multiple)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's

@@ -11,7 +11,7 @@ from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
     edit_mode, effective_steps
 from pipeline.contract.images import ImageGenerationRequest
-from pipeline.contract.limits import ServingLimits, parse_size
+from pipeline.contract.limits import ServingLimits, parse_size, splits_evenly
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import InvalidRequestError
@@ -192,7 +192,7 @@ def check_split(width: int, height: int, limits: ServingLimits, field: str, fram
     ``InvalidRequestError`` naming ``field`` for a size that cannot be split."""
     f = limits.spatial_factor
     tokens = frames * (width // f) * (height // f)
-    if limits.world_size > 1 and tokens % limits.world_size:
+    if not splits_evenly(tokens, limits):
         raise InvalidRequestError(f"{field}: the output size {width}x{height} gives {tokens} latent tokens, which "
                                   f"cannot be split evenly across the replica's {limits.world_size} "
                                   "sequence-parallel ranks; give a size that can", param=field, code="invalid_value")

@@ -84,6 +84,8 @@ class ModelFacts:
     ``true_cfg_default``: a TRUE_CFG model's ``true_cfg_scale`` when a request gives a negative
     prompt but no scale (the pipeline's default: FLUX 1.0, Qwen-Image 4.0). ``world_size``: the
     ranks one sample's sequence is split across (a CFG group's); ``cfg_degree``: CFG groups.
+    ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (Z-Image:
+    32), so a ``world_size`` dividing it splits any size.
     """
 
     family: str
@@ -105,6 +107,7 @@ class ModelFacts:
     min_steps: int = 1
     true_cfg_default: float = 1.0
     cfg_degree: int = 1
+    sequence_multiple: int = 1
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -127,7 +130,8 @@ class ModelFacts:
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
             max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold,
-            min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree)
+            min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree,
+            sequence_multiple=self.sequence_multiple)
 
 
 class Report(BaseModel):

@@ -196,3 +196,16 @@ def test_priority_defaults_per_route_and_stays_out_of_the_signature():
     batch = resolve(validate_image_request({"prompt": "a", "seed": 1, "priority": "batch"}, LIMITS), LIMITS)
     assert interactive.priority == "interactive" and batch.priority == "batch"
     assert BatchSignature.of(interactive) == BatchSignature.of(batch)
+
+
+def test_sizes_must_split_across_the_ranks_unless_the_model_pads_its_sequence():
+    """2 ranks, 24x16 at factor 8: 3 x 2 = 6 tokens split; 24x24: 9 tokens do not. A model
+    that pads its split sequence to a multiple of 32 (Z-Image) splits any size across 2."""
+    two = dataclasses.replace(LIMITS, world_size=2)
+    validate_image_request({"prompt": "x", "size": "24x16"}, two)
+    with pytest.raises(InvalidRequestError, match="cannot be split evenly across the replica's 2"):
+        validate_image_request({"prompt": "x", "size": "24x24"}, two)
+    validate_image_request({"prompt": "x", "size": "24x24"}, dataclasses.replace(two, sequence_multiple=32))
+    with pytest.raises(InvalidRequestError, match="cannot be split"):  # 3 ranks do not divide 32, nor 4 x 2 tokens
+        validate_image_request({"prompt": "x", "size": "32x16"},
+                               dataclasses.replace(two, world_size=3, sequence_multiple=32))

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size
+from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, splits_evenly
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
@@ -273,13 +273,14 @@ class GenerationRequest(BaseModel):
         return params
 
     def check_split(self, limits: ServingLimits | None, latent_frames: int) -> None:
-        """Sequence parallelism splits the latent tokens of a sample evenly across the ranks."""
-        if not limits or limits.world_size <= 1:
+        """Sequence parallelism splits the latent tokens of a sample evenly across the ranks
+        (unless the model pads its sequence to a multiple the ranks divide: any size splits)."""
+        if not limits:
             return
         width, height = parse_size(self.size) if self.size else (limits.default_width, limits.default_height)
         f = limits.spatial_factor
         tokens = latent_frames * (width // f) * (height // f)
-        if tokens % limits.world_size:
+        if not splits_evenly(tokens, limits):
             raise ValueError(f"size: {width}x{height} gives {tokens} latent tokens, which cannot be split "
                              f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
 

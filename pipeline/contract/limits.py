@@ -39,6 +39,8 @@ class ServingLimits:
     ``num_inference_steps`` the model runs correctly. ``true_cfg_default``: the ``true_cfg_scale``
     of a request with a negative prompt and no scale (the pipeline's default). ``cfg_degree``: the
     replica's CFG parallelism (2: a guided step's branches run on two groups of ranks).
+    ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (1: the
+    latent tokens themselves must split evenly across ``world_size``).
     """
 
     model_name: str
@@ -77,6 +79,7 @@ class ServingLimits:
     min_steps: int = 1
     true_cfg_default: float = 1.0
     cfg_degree: int = 1
+    sequence_multiple: int = 1
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -85,3 +88,10 @@ def parse_size(size: str) -> tuple[int, int]:
     if not match:
         raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT in pixels, ASCII digits), got {shown(size)}")
     return int(match.group(1)), int(match.group(2))
+
+
+def splits_evenly(tokens: int, limits: ServingLimits) -> bool:
+    """Whether a sample of ``tokens`` latent tokens splits across the replica's sequence-parallel
+    ranks: evenly, or any size when the model pads its sequence to a multiple they divide."""
+    world = limits.world_size
+    return world <= 1 or tokens % world == 0 or limits.sequence_multiple % world == 0

@@ -55,6 +55,7 @@ class ModelFamily(Protocol):
     masked_attention: bool                  # batches carry an attention mask (padded text): kernels must take one
     min_steps: int                          # the fewest num_inference_steps its scheduler runs correctly
     true_cfg_default: float                 # TRUE_CFG style: true_cfg_scale of a negative prompt given alone
+    sequence_multiple: int                  # it pads a sample's split sequence to a multiple of this (1: none)
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",

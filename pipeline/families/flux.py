@@ -79,6 +79,7 @@ class FluxFamily:
     masked_attention = False
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
+    sequence_multiple = 1  # its latent tokens are split as they are
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt

@@ -54,6 +54,7 @@ class Flux2Family:
     masked_attention = False
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
+    sequence_multiple = 1  # its latent tokens are split as they are
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe

@@ -69,6 +69,7 @@ class QwenImageFamily:
     masked_attention = True  # text padded to the batch's longest prompt, masked
     min_steps = 2  # its scheduler's shift_terminal stretch divides 0 by 0 at 1 step (NaN)
     true_cfg_default = 4.0  # QwenImagePipeline's default: a negative prompt alone guides
+    sequence_multiple = 1  # its latent tokens are split as they are
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe

@@ -72,6 +72,7 @@ class WanFamily:
     masked_attention = False
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
+    sequence_multiple = 1  # its latent tokens are split as they are
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe

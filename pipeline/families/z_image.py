@@ -56,6 +56,7 @@ class ZImageFamily:
     masked_attention = True  # the transformer pads captions of a batch to a common length, masked
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
+    sequence_multiple = 32  # diffusers' SEQ_MULTI_OF: the unified sequence is padded to it
     patch_size = 2
 
     def __init__(self, pipe, vae_scale_factor: int):
