@@ -160,7 +160,8 @@ class BatchingConfig(_Strict):
     Serve's default power-of-two-choices router). ``affinity_switch_cost_ms``: a state
     change priced in waiting: a free replica leaves its own state's queue for another only
     when that queue's oldest request waited longer by this much, and a queue whose state a
-    busy replica holds waits for it this long (``deployments.scheduling``, rule 3).
+    busy replica holds waits for it this long, if a free replica has no queued work of its
+    own (``deployments.scheduling``, rule 3).
     ``max_affinity_wait_ms``: the hard bound: a queue whose oldest request waited this long
     goes first, to any free replica.
     ``routing_stats_period_s``: how often replicas report their state to the router.

@@ -163,8 +163,9 @@ class VideoJobs:
         return job.output.images[0] if variant == "thumbnail" else job.output.videos[0]
 
     def delete(self, job_id: str) -> dict:
-        """Forget a job; a queued or running one is cancelled (it leaves its queue; a batch
-        already running finishes without it). Raises ``NotFoundError`` (404)."""
+        """Forget a job; a queued or running one is cancelled (it leaves its queue; in a running
+        batch its rows are dropped at the next step boundary, or the batch stops if nobody else
+        waits for it). Raises ``NotFoundError`` (404)."""
         job = self.store.pop(job_id)
         if job.task is not None and not job.task.done():
             job.task.cancel()

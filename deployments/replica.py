@@ -55,7 +55,7 @@ def log_to_serve() -> None:
 @serve.deployment(max_ongoing_requests=1)
 class DiTReplica:
     """Loads the checkpoint at start; ``run_batch`` executes one signature-homogeneous batch
-    and streams its progress.
+    and streams its events (started, per-step progress when a request shows it, previews).
 
     ``max_ongoing_requests=1`` makes Serve hand it one batch at a time; the batch runs in a
     worker thread so the actor stays responsive to health checks. It reports the signature

@@ -33,7 +33,7 @@ from deployments.replica_chooser import chooser_for
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
 from pipeline.contract.videos import VideoJob
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
-                             RequestTimeoutError)
+                             RequestTimeoutError, ServiceUnavailableError)
 from pipeline.modes import InputMode
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
@@ -404,6 +404,13 @@ class Router:
 
     async def _run(self, pending: list[_Pending], replica_id: str | None) -> None:
         dispatched = time.monotonic()
+        if all(p.future.done() for p in pending):  # every caller left between the cut and now: run nothing
+            self._counters["cancelled"] += len(pending)
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle_since = time.monotonic()
+            self._wakeup.set()
+            return
         batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", pending[0].signature,
                       tuple(p.params for p in pending), preferred_replica=replica_id,
                       report_steps=any(p.on_progress is not None for p in pending))
@@ -427,16 +434,19 @@ class Router:
                     target = next((p for p in pending if p.params.request_id == event["preview"]["request_id"]), None)
                     if target is not None and target.on_preview is not None and not target.future.done():
                         target.on_preview(event["preview"])
-                elif isinstance(event, dict) and "cancelled_at" in event:  # stopped: every caller had left
-                    saved = event["steps"] - event["cancelled_at"]
-                    self._counters["cancelled_running"] += 1
-                    self._counters["steps_saved"] += saved
-                    self._metric_cancelled.inc(tags={"scope": "batch"})
-                    self._metric_steps_saved.inc(saved, tags={"scope": "batch"})
-                    for p in pending:  # cannot happen: the replica stops only once none is wanted
-                        if not p.future.done():
-                            p.future.set_exception(InternalError(f"batch {batch.batch_id} was stopped",
-                                                                 request_id=p.params.request_id))
+                elif isinstance(event, dict) and "cancelled_at" in event:  # the replica heard: no caller left
+                    waiting = [p for p in pending if not p.future.done()]
+                    if not waiting:
+                        saved = event["steps"] - event["cancelled_at"]
+                        self._counters["cancelled_running"] += 1
+                        self._counters["steps_saved"] += saved
+                        self._metric_cancelled.inc(tags={"scope": "batch"})
+                        self._metric_steps_saved.inc(saved, tags={"scope": "batch"})
+                    for p in waiting:  # it asked another Router (a redeploy's new one), which did not know them
+                        self._reject("batch_stopped")
+                        p.future.set_exception(ServiceUnavailableError(
+                            f"request {p.params.request_id}'s batch was stopped while the router was being "
+                            "replaced; retry", code="unavailable", request_id=p.params.request_id))
                     return
                 elif isinstance(event, dict) and "started" in event:  # the replica began running it
                     started = True

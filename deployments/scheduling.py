@@ -28,9 +28,11 @@ Policy (late binding; a batch is formed only when a replica can take it):
      A ``miss`` (a switch) is allowed only if its value exceeds what the replica's own queue
      is worth to it (its head's wait + ``switch_cost_s``, ready or not: a replica leaves
      queued work in its state only for a queue waiting longer by ``switch_cost_s``), and a
-     queue held by a busy replica waits for it while its value is negative. The pair of
+     queue held by a busy replica waits for it while its value is not positive. The pair of
      highest value goes; ties prefer a hit, then a spare replica (no queue wants its state),
      the one with the most of the queue's adapters loaded, a fresh one, the serving order.
+   A replica's own queue counts for one free replica in that state (others are spare), and
+   for urgent work only if it holds urgent work too.
    So a free replica keeps serving its own state while the other queues are younger than
    its own queue by ``switch_cost_s`` and switches for the longest-waiting queue otherwise:
    oldest-first with a price on switching. (It replaced waiting for the matching replica up to
@@ -146,7 +148,9 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     waiting = {q.signature: q.head_age_s for q in queues if q.images}  # every queued state, ready or not
     held = {r.last_signature for r in replicas}
     urgent = [q for q in ready if q.urgent_age_s is not None]
-    decision = _affinity_choice(urgent, replicas, waiting, held, max_affinity_wait_s, switch_cost_s)
+    # for urgent work a replica's own queue counts only if it holds urgent work too
+    urgent_waiting = {q.signature: q.head_age_s for q in queues if q.images and q.urgent_age_s is not None}
+    decision = _affinity_choice(urgent, replicas, urgent_waiting, held, max_affinity_wait_s, switch_cost_s)
     if decision is not None:
         return decision
     decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], replicas, waiting, held,
@@ -159,10 +163,14 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
 
 def _affinity_choice(ready: list[QueueView], replicas: list[ReplicaView], waiting: dict[str, float], held: set,
                      max_affinity_wait_s: float, switch_cost_s: float) -> Decision | None:
-    """Rule 3 over ``ready`` (in serving order). ``waiting``: head age of every non-empty
-    queue by signature."""
+    """Rule 3 over ``ready`` (in serving order). ``waiting``: head age of the queues a free
+    replica in their state waits for (one replica per state; the others are spare)."""
     free = [r for r in replicas if not r.busy]
-    spare = [r for r in free if r.last_signature not in waiting]
+    owners: dict[str, str] = {}  # a queued state -> the one free replica that waits for it (others are spare)
+    for r in free:
+        if r.last_signature in waiting:
+            owners.setdefault(r.last_signature, r.replica_id)
+    spare = [r for r in free if owners.get(r.last_signature) != r.replica_id]
     for q in ready:  # the hard bound first
         if q.head_age_s >= max_affinity_wait_s:
             match = next((r for r in free if r.last_signature == q.signature), None)
@@ -183,7 +191,7 @@ def _affinity_choice(ready: list[QueueView], replicas: list[ReplicaView], waitin
                 value, reason = q.head_age_s + switch_cost_s, RoutingDecision.LOADED
             else:
                 value, reason = q.head_age_s - (switch_cost_s if kept_busy else 0.0), RoutingDecision.MISS
-                own = waiting.get(r.last_signature) if r.last_signature is not None else None
+                own = None if r in spare else waiting[r.last_signature]
                 if (kept_busy and value <= 0) or (own is not None and value <= own + switch_cost_s):
                     continue  # wait: for the busy replica holding it, or the replica's own queue is worth more
             key = (value, reason != RoutingDecision.MISS, r in spare, len(q.loras & r.loaded_loras),

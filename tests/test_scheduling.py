@@ -55,6 +55,8 @@ def r(rid, state, busy=False):
     ([q("A", 0.3)], [r("1", "A", busy=True), r("2", "B")], Decision("A", "miss", "2")),
     # of two switches, the unheld queue wins over the busy replica's (its next hit stays)
     ([q("A", 0.4), q("C", 0.3)], [r("1", "A", busy=True), r("2", "B")], Decision("C", "miss", "2")),
+    # two free replicas in one state: one waits for that state's young queue, the other switches
+    ([q("C", 0.02, images=4), q("A", 0.001)], [r("1", "A"), r("2", "A")], Decision("C", "miss", "2")),
 ])
 def test_affinity_table(queues, replicas, expected):
     assert choose_queue(queues, replicas, **KW) == expected
@@ -89,6 +91,8 @@ def u(sig, age, urgent_age, images=1):  # a queue holding urgent work (interacti
     ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", "B")], True, Decision("I", "miss", "1")),
     # urgent work waiting for its busy matching replica: batch work uses the free one
     ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", "I", busy=True), r("2", "B")], True, Decision("B", "hit", "2")),
+    # ... until it is older than the switch cost: batch work in the free replica's state does not hold it
+    ([q("B", 0.4), u("I", 0.3, 0.3)], [r("1", "I", busy=True), r("2", "B")], True, Decision("I", "miss", "2")),
     # no urgent work ready: batch work flows as before
     ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", None)], True, Decision("B", "miss", "1")),
 ])
