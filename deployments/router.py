@@ -406,10 +406,7 @@ class Router:
         dispatched = time.monotonic()
         if all(p.future.done() for p in pending):  # every caller left between the cut and now: run nothing
             self._counters["cancelled"] += len(pending)
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle_since = time.monotonic()
-            self._wakeup.set()
+            self._release_slot()
             return
         batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", pending[0].signature,
                       tuple(p.params for p in pending), preferred_replica=replica_id,
@@ -507,10 +504,14 @@ class Router:
             self._claims.pop(batch.batch_id, None)
             self._running.pop(batch.batch_id, None)
             self._callers_changed.pop(batch.batch_id).set()
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle_since = time.monotonic()
-            self._wakeup.set()
+            self._release_slot()
+
+    def _release_slot(self) -> None:
+        """A dispatch the scheduler counted in flight has ended: free its slot and wake the scheduler."""
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle_since = time.monotonic()
+        self._wakeup.set()
 
     # -- video jobs: admitted and enqueued here, tracked in deployments.jobs ------------------
     async def create_job(self, params: SamplingParams) -> VideoJob:
