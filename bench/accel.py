@@ -12,10 +12,13 @@ boundary experts; ``tiny-wan-paired``: both transformers every step) on short vi
 compare the decoded frames (before MP4 encoding) with the exact ones.
 
 The family rows run one block per further image family on its embedded tiny model
-(``tiny-flux2``, ``tiny-qwen-image``, ``tiny-z-image``: random weights) and draw each family's speed-vs-PSNR front (matplotlib,
+(``tiny-flux2``, ``tiny-qwen-image``, ``tiny-qwen-image-edit``, ``tiny-z-image``: random weights;
+the edit model edits a drawn red circle, seen at ~1024x1024 pixels, so its time includes that
+image's VAE encode) and draw each family's speed-vs-PSNR front (matplotlib,
 ``pip install -e '.[bench]'``) as ``bench/results/accel-<model>.png``.
 
     python bench/accel.py [--steps 28] [--size 64x64] [--iters 3] [--only flux|dual|families]
+                          [--models tiny-qwen-image-edit ...]
 """
 
 from __future__ import annotations
@@ -42,10 +45,22 @@ from pipeline.contract.limits import ServingLimits  # noqa: E402
 from pipeline.contract.videos import validate_video_request  # noqa: E402
 from pipeline.media import to_uint8  # noqa: E402
 from pipeline.runner import BatchRunner  # noqa: E402
-from pipeline.sampling import resolve, resolve_video  # noqa: E402
+from pipeline.contract.edits import validate_edit_request  # noqa: E402
+from pipeline.sampling import resolve, resolve_edit, resolve_video  # noqa: E402
 from pipeline.signature import BatchSignature  # noqa: E402
 from pipeline.state import CacheKey  # noqa: E402
 from pipeline.wire import Batch  # noqa: E402
+
+
+def drawn_circle() -> bytes:
+    """A red circle on yellow (the tiny models' drawing), as PNG bytes."""
+    import random
+
+    from pipeline.tiny.data import Scene, draw
+
+    out = io.BytesIO()
+    draw(Scene("red", "circle", "yellow"), random.Random(0)).save(out, "PNG")
+    return out.getvalue()
 
 
 def psnr(a: bytes, b: bytes) -> float:
@@ -64,6 +79,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=17, help="frames of the dual-transformer videos")
     ap.add_argument("--video-size", default="64x64")
     ap.add_argument("--only", choices=("flux", "dual", "families"))
+    ap.add_argument("--models", nargs="+", default=None, help="family rows of these embedded models only")
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
     if ns.only in (None, "flux"):
@@ -71,7 +87,7 @@ def main() -> None:
     if ns.only in (None, "dual"):
         dual_rows(ns)
     if ns.only in (None, "families"):
-        for model in FAMILY_MODELS:
+        for model in ns.models or FAMILY_MODELS:
             family_rows(ns, model)
 
 
@@ -205,7 +221,8 @@ def dual_rows(ns) -> None:
             print(f"{name:40s} {ratio:6.2f}x {frames_psnr(a.images[0], e.images[0]):8.1f} {detail:>30s}")
 
 
-FAMILY_MODELS = ("tiny-flux2", "tiny-qwen-image", "tiny-z-image")  # one block per further image family's embedded model
+# one block per further image family's embedded model
+FAMILY_MODELS = ("tiny-flux2", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -218,9 +235,15 @@ def family_rows(ns, model: str) -> None:
                                   "max_n": 1, "max_pixels": 1 << 22, "max_steps": 100, "max_prompt_chars": 2000,
                                   "default_num_frames": 1, "default_fps": 8, "max_frames": 1})
 
+    image = io.BytesIO()  # what an edit model edits (requires_image): a drawn red circle
+    Image.open(io.BytesIO(drawn_circle())).resize(tuple(int(v) for v in ns.size.split("x"))).save(image, "PNG")
+
     def batch(body: dict) -> Batch:
         body = {"prompt": "a red circle on a blue background", "seed": 0, "num_inference_steps": ns.steps, **body}
-        p = resolve(validate_image_request(body, limits), limits)
+        if facts.requires_image:
+            p = resolve_edit(validate_edit_request({**body, "image": image.getvalue()}, limits), limits)
+        else:
+            p = resolve(validate_image_request(body, limits), limits)
         return Batch("bench", BatchSignature.of(p), (p,))
 
     from pipeline.modes import GuidanceMode

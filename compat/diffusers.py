@@ -43,6 +43,8 @@ RELIES_ON = (
     Reliance("diffusers", "FluxPipeline._unpack_latents", "FLUX latent unpacking"),
     Reliance("diffusers", "FluxPipeline._prepare_latent_image_ids", "FLUX position ids"),
     Reliance("diffusers", "WanPipeline._get_t5_prompt_embeds", "Wan prompt encoding"),
+    Reliance("diffusers", "QwenImageEditPipeline._encode_vae_image", "Qwen-Image-Edit reference latents"),
+    Reliance("diffusers", "QwenImageEditPipeline._pack_latents", "Qwen-Image latent packing"),
     Reliance("diffusers", "ZImageTransformer2DModel._build_unified_sequence", "SP Z-Image (the split point)"),
     Reliance("diffusers.models.transformers.transformer_z_image", "ZSingleStreamAttnProcessor._attention_backend",
              "per-layer kernel slot"),
@@ -168,6 +170,14 @@ def flux_latent_image_ids(batch_size: int, height: int, width: int, device, dtyp
     from diffusers import FluxPipeline
 
     return FluxPipeline._prepare_latent_image_ids(batch_size, height, width, device, dtype)
+
+
+def qwen_edit_reference_latents(pipe, pixels):
+    """One image's reference latents, as ``QwenImageEditPipeline.prepare_latents`` makes them:
+    pixels (1, 3, 1, H, W) in [-1, 1] → the VAE's mode normalised with the latents mean / std,
+    packed 2×2: (1, (h/2)·(w/2), 4·z)."""
+    z = pipe._encode_vae_image(pixels, None)  # sample_mode="argmax": no random draw
+    return pipe._pack_latents(z, 1, z.shape[1], z.shape[3], z.shape[4])
 
 
 def wan_prompt_embeds(pipe, prompts: list[str], max_sequence_length: int, device):

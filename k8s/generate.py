@@ -36,6 +36,7 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
     "wan22-a14b-8gpu.yaml": ("ditserve-wan22-a14b-8gpu", 8, 1),
     "flux2-dev-4gpu.yaml": ("ditserve-flux2-dev-4gpu", 4, 1),
     "qwen-image-1gpu.yaml": ("ditserve-qwen-image-1gpu", 1, 1),
+    "qwen-image-edit-1gpu.yaml": ("ditserve-qwen-image-edit-1gpu", 1, 1),
     "z-image-turbo-1gpu.yaml": ("ditserve-z-image-turbo-1gpu", 1, 1),
 }
 # config file -> the least GPU memory (MiB, as nvidia.com/gpu.memory reports it) its weights fit
@@ -44,10 +45,11 @@ MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, wo
 # 57 GB, UMT5 11.4 GB): sharded 8 ways while serving (20.3 GB on rank 0), but every rank loads
 # both experts before sharding them: an 80 GB-class GPU. FLUX.2 [dev] bf16 (transformer 64.4 GB,
 # Mistral Small 3.1 48.0 GB on rank 0): a 141 GB-class GPU. Qwen-Image bf16 (transformer 40.9 GB,
-# Qwen2.5-VL-7B 16.6 GB): an 80 GB-class GPU. Z-Image Turbo bf16 (transformer 12.3 GB, Qwen3-4B 8.0 GB):
+# Qwen2.5-VL-7B 16.6 GB), also Qwen-Image-Edit: an 80 GB-class GPU. Z-Image Turbo bf16 (transformer 12.3 GB, Qwen3-4B 8.0 GB):
 # a 40 GB-class GPU.
 MIN_GPU_MEMORY_MIB = {"flux-dev-1gpu.yaml": 45_000, "flux-dev-4gpu.yaml": 45_000, "wan22-a14b-8gpu.yaml": 79_000,
                       "flux2-dev-4gpu.yaml": 130_000, "qwen-image-1gpu.yaml": 79_000,
+                      "qwen-image-edit-1gpu.yaml": 79_000,
                       "z-image-turbo-1gpu.yaml": 40_000}
 API_KEYS_SECRET = {"name": "ditserve-api-keys", "key": "api-keys"}
 PROXY_ENV = {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": "deployments.proxy:middlewares"}

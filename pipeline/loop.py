@@ -180,19 +180,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def encode_isolating(family, texts: list[str]):
-    """Encode ``texts`` in one call; if that fails, encode each alone to find the ones that fail.
+def encode_isolating(family, texts: list[str], images: list[tuple]):
+    """Encode ``texts`` (each with its request's input ``images``) in one call; if that fails,
+    encode each alone to find the ones that fail.
 
     Returns ``(conditioning, {})`` or, when some texts fail on their own, ``(None, {index:
     exception})``. Re-raises the batch's error if every text encodes alone (not attributable).
     """
     try:
-        return family.encode_prompts(texts), {}
+        return family.encode_prompts(texts, images), {}
     except Exception:
         failures = {}
-        for i, text in enumerate(texts):
+        for i, (text, own) in enumerate(zip(texts, images, strict=True)):
             try:
-                family.encode_prompts([text])
+                family.encode_prompts([text], [own])
             except Exception as exc:
                 failures[i] = exc
         if not failures:
@@ -209,11 +210,11 @@ def conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
     """
     negative = any(s.guide is not None and s.guide_prompt == "negative" for s in plan)
     failures: dict[int, tuple[str, Exception]] = {}
-    cond, bad = encode_isolating(family, [p.prompt for p in batch])
+    cond, bad = encode_isolating(family, [p.prompt for p in batch], [p.images for p in batch])
     failures.update({i: ("prompt", e) for i, e in bad.items()})
     uncond = None
     if negative:
-        uncond, bad = encode_isolating(family, [p.negative_prompt or "" for p in batch])
+        uncond, bad = encode_isolating(family, [p.negative_prompt or "" for p in batch], [p.images for p in batch])
         failures.update({i: ("negative_prompt", e) for i, e in bad.items() if i not in failures})
     keep = [i for i in range(len(batch)) if i not in failures]
     if not keep:
@@ -221,8 +222,9 @@ def conditioning(family, batch: list[SamplingParams], plan: list[StepPlan]):
     kept = [batch[i] for i in keep]
     index = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor([p.n for p in kept]))
     if failures:  # encode the survivors again, without the failed texts
-        cond = family.encode_prompts([p.prompt for p in kept])
-        uncond = family.encode_prompts([p.negative_prompt or "" for p in kept]) if negative else None
+        images = [p.images for p in kept]
+        cond = family.encode_prompts([p.prompt for p in kept], images)
+        uncond = family.encode_prompts([p.negative_prompt or "" for p in kept], images) if negative else None
     return keep, cond.select(index), None if uncond is None else uncond.select(index), failures
 
 

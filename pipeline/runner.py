@@ -163,7 +163,7 @@ class BatchRunner:
             scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
             max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold,
             min_steps=self.family.min_steps, true_cfg_default=self.family.true_cfg_default,
-            sequence_multiple=self.family.sequence_multiple)
+            sequence_multiple=self.family.sequence_multiple, requires_image=self.family.requires_image)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's

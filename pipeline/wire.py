@@ -85,7 +85,8 @@ class ModelFacts:
     prompt but no scale (the pipeline's default: FLUX 1.0, Qwen-Image 4.0). ``world_size``: the
     ranks one sample's sequence is split across (a CFG group's); ``cfg_degree``: CFG groups.
     ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (Z-Image:
-    32), so a ``world_size`` dividing it splits any size.
+    32), so a ``world_size`` dividing it splits any size. ``requires_image``: the model only
+    edits (every request gives an image: ``POST /v1/images/edits``).
     """
 
     family: str
@@ -108,6 +109,7 @@ class ModelFacts:
     true_cfg_default: float = 1.0
     cfg_degree: int = 1
     sequence_multiple: int = 1
+    requires_image: bool = False
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -131,7 +133,7 @@ class ModelFacts:
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
             max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold,
             min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree,
-            sequence_multiple=self.sequence_multiple)
+            sequence_multiple=self.sequence_multiple, requires_image=self.requires_image)
 
 
 class Report(BaseModel):

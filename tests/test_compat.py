@@ -14,11 +14,12 @@ from compat import cache_dit as cache_dit_compat
 from compat import diffusers as diffusers_compat
 from compat import ray_serve as ray_serve_compat
 from compat import torch as torch_compat
+from compat import transformers as transformers_compat
 from compat import yunchang as yunchang_compat
 
 
 @pytest.mark.parametrize("module", [diffusers_compat, cache_dit_compat, yunchang_compat, ray_serve_compat,
-                                    torch_compat],
+                                    torch_compat, transformers_compat],
                          ids=lambda m: m.DISTRIBUTION)
 def test_every_reliance_is_present(module):
     problems = module.check()
@@ -80,3 +81,23 @@ def test_dynamo_counts_a_frame_past_the_recompile_limit():
     assert after["recompile_limit_hits"] > before["recompile_limit_hits"]
     assert after["compiled_graphs"] >= before["compiled_graphs"] + 2 and after["recompile_limit"] == 2
     torch._dynamo.reset()
+
+
+def test_qwen2vl_processor_of_the_tiny_edit_checkpoint():
+    """Without torchvision the processor is transformers' Qwen2VLProcessor less its video part:
+    it still expands an image's vision tokens in the text and makes the vision tower's input."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2VLProcessor
+
+    from pipeline.tiny.registry import EMBEDDED
+
+    processor = transformers_compat.qwen2vl_processor(EMBEDDED["tiny-qwen-image-edit"].build() / "processor")
+    assert isinstance(processor, Qwen2VLProcessor)
+    if not transformers_compat.has_torchvision():
+        assert type(processor).get_attributes() == ["image_processor", "tokenizer"]
+    image = Image.fromarray(np.zeros((56, 84, 3), dtype=np.uint8))
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>a red cat"], images=[image], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 6]]  # 14-pixel patches of 56x84
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((out["input_ids"] == image_token).sum()) == 4 * 6 // 4  # 2x2 merged

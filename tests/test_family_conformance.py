@@ -10,11 +10,14 @@ import torch
 from pipeline.families import REGISTRY, load_family
 from pipeline.families.base import Conditioning, ModelFamily
 from pipeline.loop import denoise_batch, plan_batch
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 from pipeline.tiny.registry import EMBEDDED
+from pipeline.wire import ImageArray
 from tests.helpers import flux_params, video_params
 
 MODELS = sorted(EMBEDDED)
+# a 32x32 input image (a gradient), for families that edit (requires_image)
+IMAGE = ImageArray(32, 32, 3, bytes((x * 8 + c * 40) % 256 for y in range(32) for x in range(32) for c in range(3)))
 
 
 def test_every_registered_family_has_a_tiny_model():
@@ -25,7 +28,14 @@ def _params(family, name: str, seed: int, **fields):
     if family.temporal_factor:
         return video_params(family, f"a red circle {seed}", seed, num_frames=5, size="32x32",
                             num_inference_steps=2, **fields)
+    if family.requires_image:  # an edit: the image conditions the text and joins the sequence
+        fields = {"input_mode": InputMode.REFERENCE, "num_input_images": 1, "images": (IMAGE,), **fields}
     return flux_params(f"a red circle {seed}", seed, size=(32, 32), steps=2, **fields)
+
+
+def _inputs(family, p):
+    """``prepare_latents``' image inputs of two samples of ``p`` (none for text)."""
+    return {"requests": [p, p]} if family.requires_image else {}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -50,7 +60,8 @@ def test_members_and_shapes_on_a_batch_of_two(family):
     lengths = family.sequence_lengths(p.width, p.height, p.num_frames)
     assert lengths["text tokens"] == family.max_sequence_length and lengths["image tokens"] > 0
 
-    cond = family.encode_prompts(["a red circle", "a much longer prompt about a blue square at night"])
+    cond = family.encode_prompts(["a red circle", "a much longer prompt about a blue square at night"],
+                                 [p.images, p.images])
     assert isinstance(cond, Conditioning)
     again = cond.select(torch.tensor([1, 0, 0]))  # rows repeat per sample
     # a leading B on every batched tensor, or one entry per sample (Z-Image's per-prompt lengths)
@@ -60,7 +71,7 @@ def test_members_and_shapes_on_a_batch_of_two(family):
     assert leading == {3}
 
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    latents, positions = family.prepare_latents(generators, [1, 1], p)
+    latents, positions = family.prepare_latents(generators, [1, 1], p, **_inputs(family, p))
     assert latents.shape[0] == 2 and latents.is_floating_point()
     if family.temporal_factor:  # (B, C, latent frames, h, w)
         latent_frames = (p.num_frames - 1) // family.temporal_factor + 1
@@ -85,8 +96,8 @@ def test_members_and_shapes_on_a_batch_of_two(family):
     guidance = family.guidance(p.embedded_guidance_scale, 2)
     assert guidance is None or guidance.shape == (2,)
     for name in names:
-        out = family.predict(latents, timesteps[0], family.encode_prompts(["a", "b"]), guidance, positions,
-                             model=name)
+        out = family.predict(latents, timesteps[0], family.encode_prompts(["a", "b"], [p.images, p.images]),
+                             guidance, positions, model=name)
         assert out.shape == latents.shape
 
     pixels = family.decode(latents, p)
@@ -126,8 +137,10 @@ def test_denoiser_ranks_load_no_encoders_and_decode_slices_the_same(family, requ
     sliced = load_family(family.family, path, torch_dtype=torch.float32, device="cpu", vae_slicing=True)
     p = _params(family, "", 1)
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    latents, _ = family.prepare_latents(generators, [1, 1], p)
+    latents, _ = family.prepare_latents(generators, [1, 1], p, **_inputs(family, p))
     assert np.abs(sliced.decode(latents, p) - family.decode(latents, p)).max() <= 1e-5
+    if family.requires_image:
+        return  # image inputs need the VAE: rank 0 prepares them and broadcasts (BatchRunner._shared_latents)
     # a rank without the VAE shapes and draws the same initial latents as rank 0
     again = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     assert torch.equal(denoiser.prepare_latents(again, [1, 1], p)[0], latents)

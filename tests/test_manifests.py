@@ -117,7 +117,8 @@ def test_weights_fit_the_gpus_the_manifests_select():
     weights_gb = {"flux-dev-1gpu.yaml": 23.8 + 9.5 + 0.25 + 0.17, "flux-dev-4gpu.yaml": 23.8 + 9.5 + 0.25 + 0.17,
                   "wan22-a14b-8gpu.yaml": experts / world + 2 * experts / 2 / 40 + 11.4 + 0.25,
                   "flux2-dev-4gpu.yaml": 64.4 + 48.0 + 0.17,
-                  "qwen-image-1gpu.yaml": 40.9 + 16.6 + 0.25, "z-image-turbo-1gpu.yaml": 12.3 + 8.0 + 0.17}
+                  "qwen-image-1gpu.yaml": 40.9 + 16.6 + 0.25, "qwen-image-edit-1gpu.yaml": 40.9 + 16.6 + 0.25,
+                  "z-image-turbo-1gpu.yaml": 12.3 + 8.0 + 0.17}
     for config, gb in weights_gb.items():
         mib = _generate().MIN_GPU_MEMORY_MIB[config]
         assert gb * 1e9 / 2**20 <= 0.85 * mib, (config, gb, mib)

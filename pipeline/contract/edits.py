@@ -1,7 +1,7 @@
 """OpenAI's ``POST /v1/images/edits``: the request (plus ditserve's extensions) and its decoding.
 
 Which editing mode a request runs is decided by the served checkpoint and the request
-(:func:`edit_mode`): a FLUX.1 Kontext checkpoint edits by reference; a text-to-image FLUX.1
+(:func:`edit_mode`): a FLUX.1 Kontext or Qwen-Image-Edit checkpoint edits by reference; a text-to-image FLUX.1
 checkpoint runs image-to-image, or inpainting when a ``mask`` is given. The response is the
 images response of ``POST /v1/images/generations``.
 """
@@ -98,8 +98,8 @@ class ImageEditRequest(ImageGenerationRequest):
         if limits:
             mode = edit_mode(self, limits)
             if mode == InputMode.REFERENCE and self.strength is not None:
-                raise ValueError("strength: reference editing (FLUX.1 Kontext) runs every step from noise; "
-                                 "leave strength out")
+                raise ValueError("strength: reference editing (FLUX.1 Kontext, Qwen-Image-Edit) runs every step "
+                                 "from noise; leave strength out")
             steps = self.num_inference_steps or limits.default_steps
             strength = self.strength if self.strength is not None else default_strength(mode, limits)
             run = effective_steps(steps, strength)
@@ -128,8 +128,8 @@ def edit_mode(request: ImageEditRequest, limits: ServingLimits) -> InputMode:
                          f"{', '.join(limits.input_modes) or 'text-to-' + ('video' if limits.temporal_factor else 'image')})")
     if InputMode.REFERENCE in served:
         if request.mask is not None:
-            raise ValueError(f"mask: model {limits.model_name!r} edits by reference (FLUX.1 Kontext) and does not "
-                             "inpaint; leave mask out")
+            raise ValueError(f"mask: model {limits.model_name!r} edits by reference (FLUX.1 Kontext, "
+                             "Qwen-Image-Edit) and does not inpaint; leave mask out")
         return InputMode.REFERENCE
     wanted = InputMode.INPAINT if request.mask is not None else InputMode.IMAGE_TO_IMAGE
     if wanted not in served:

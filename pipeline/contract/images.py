@@ -107,11 +107,15 @@ def validate_image_request(body: Any, limits: ServingLimits) -> ImageGenerationR
 
     Raises ``ModelNotFoundError`` (404) if ``model`` names another model, and
     ``InvalidRequestError`` (400) listing every problem found, ``param`` set to the first
-    offending field (also when the served model generates videos).
+    offending field (also when the served model generates videos, or only edits images).
     """
     if limits.temporal_factor:
         raise InvalidRequestError(f"model {limits.model_name!r} generates videos; use POST /v1/videos "
                                   "(handle: submit_video)", param="model", code="wrong_endpoint")
+    if limits.requires_image:
+        raise InvalidRequestError(f"model {limits.model_name!r} edits images and needs one; use POST "
+                                  "/v1/images/edits with an image (handle: edit)", param="model",
+                                  code="wrong_endpoint")
     return validate_body(ImageGenerationRequest, body, limits)
 
 

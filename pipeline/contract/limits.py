@@ -40,7 +40,8 @@ class ServingLimits:
     of a request with a negative prompt and no scale (the pipeline's default). ``cfg_degree``: the
     replica's CFG parallelism (2: a guided step's branches run on two groups of ranks).
     ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (1: the
-    latent tokens themselves must split evenly across ``world_size``).
+    latent tokens themselves must split evenly across ``world_size``). ``requires_image``: the
+    model only edits images (text-to-image requests are refused).
     """
 
     model_name: str
@@ -80,6 +81,7 @@ class ServingLimits:
     true_cfg_default: float = 1.0
     cfg_degree: int = 1
     sequence_multiple: int = 1
+    requires_image: bool = False
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "flux-kontext": "pipeline.families.flux:FluxKontextFamily",
     "flux2": "pipeline.families.flux2:Flux2Family",
     "qwen-image": "pipeline.families.qwen_image:QwenImageFamily",
+    "qwen-image-edit": "pipeline.families.qwen_image:QwenImageEditFamily",
     "z-image": "pipeline.families.z_image:ZImageFamily",
     "wan": "pipeline.families.wan:WanFamily",
 }

@@ -56,6 +56,7 @@ class ModelFamily(Protocol):
     min_steps: int                          # the fewest num_inference_steps its scheduler runs correctly
     true_cfg_default: float                 # TRUE_CFG style: true_cfg_scale of a negative prompt given alone
     sequence_multiple: int                  # it pads a sample's split sequence to a multiple of this (1: none)
+    requires_image: bool                    # serves edits only: every request gives an input image (Qwen-Image-Edit)
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",
@@ -99,8 +100,11 @@ class ModelFamily(Protocol):
         """Tokens per sample the transformer sees: ``{"image tokens": S, "text tokens": L}``
         for a ``width`` × ``height`` pixel sample of ``num_frames`` frames."""
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Encode B prompts (one per sample) with the family's text encoder(s), padded to L."""
+    def encode_prompts(self, prompts: list[str], images=None) -> Conditioning:
+        """Encode B prompts (one per sample) with the family's text encoder(s), padded to L.
+        ``images``: per prompt, its request's input images (a tuple of
+        :class:`pipeline.wire.ImageArray`, empty for text); a family whose text encoder sees the
+        image (Qwen-Image-Edit) conditions each prompt on them, the others ignore them."""
 
     def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
                         schedule=None) -> tuple[torch.Tensor, Any]:
@@ -223,14 +227,15 @@ def strength_timesteps(scheduler, timesteps: torch.Tensor, num_inference_steps: 
 
 def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, components: str = "all",
                   encoders: tuple[str, ...] = (), vae_cls=None, vae_dtype: torch.dtype | None = None,
-                  vae_slicing: bool = False):
+                  vae_slicing: bool = False, given: dict[str, Any] | None = None):
     """A diffusers pipeline loaded straight onto ``device`` with diffusers' ``device_map``
     (each component goes from the checkpoint to the device, so host memory never holds the
     whole pipeline). ``components="denoiser"`` leaves out ``encoders`` (the text encoders and
     the VAE, by component name); ``"denoiser+vae"`` keeps the VAE (a multi-rank replica whose
     ranks share a tiled decode, ``parallel.vae``). ``vae_cls``/``vae_dtype``: load the VAE in its own dtype
     (Wan's VAE in float32, as diffusers' Wan examples do). Raises ``ValueError`` for an
-    unknown ``components``."""
+    unknown ``components``. ``given``: components loaded by the family itself, by name
+    (Qwen-Image-Edit's processor, ``compat.transformers``), used where they are kept."""
     if components not in COMPONENTS:
         raise ValueError(f"components must be one of {', '.join(COMPONENTS)}, got {components!r}")
     target = torch.device(device)
@@ -238,6 +243,7 @@ def load_pipeline(pipeline_cls, path, *, torch_dtype: torch.dtype, device: str, 
         torch.cuda.set_device(target)  # diffusers' device_map takes "cuda": the current device
     kept = {"all": set(encoders), "denoiser": set(), "denoiser+vae": {"vae"}}[components]
     kwargs: dict[str, Any] = {name: None for name in encoders if name not in kept}
+    kwargs.update({name: module for name, module in (given or {}).items() if name not in kwargs})
     if vae_dtype is not None and "vae" not in kwargs:
         kwargs["vae"] = vae_cls.from_pretrained(str(path), subfolder="vae", dtype=vae_dtype, device_map=target.type)
     pipe = pipeline_cls.from_pretrained(str(path), dtype=torch_dtype, device_map=target.type, **kwargs)

@@ -80,6 +80,7 @@ class FluxFamily:
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
+    requires_image = False  # text alone generates
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
@@ -155,7 +156,7 @@ class FluxFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
+    def encode_prompts(self, prompts: list[str], images=None) -> FluxConditioning:
         """Encode B prompts with CLIP (pooled) and T5 (padded to ``max_sequence_length``)."""
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,

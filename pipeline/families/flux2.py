@@ -55,6 +55,7 @@ class Flux2Family:
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
+    requires_image = False  # text alone generates
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
@@ -134,7 +135,7 @@ class Flux2Family:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Flux2Conditioning:
+    def encode_prompts(self, prompts: list[str], images=None) -> Flux2Conditioning:
         """Encode B prompts with the Mistral 3 encoder (chat template, padded to ``max_sequence_length``)."""
         prompt_embeds, text_ids = self.pipe.encode_prompt(
             prompt=prompts, device=self.device, num_images_per_prompt=1,

@@ -11,6 +11,11 @@ Text is padded to the longest prompt of the batch with a mask (``encoder_hidden_
 a request alone has none, as in diffusers. Under sequence parallelism the text is padded to a
 multiple of the ranks (the model's ``_cp_plan`` splits it) and attention is masked across the
 ranks (``parallel.qwen_image``).
+
+Qwen-Image-Edit checkpoints (:class:`QwenImageEditFamily`, ``QwenImageEditPipeline``) edit by
+reference: the image, resized to about 1024×1024 pixels at its aspect ratio, is seen twice —
+by the Qwen2.5-VL encoder in the prompt (its vision tokens join the text) and as packed latent
+tokens appended to the sample's sequence (a second entry of ``img_shapes``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from compat import diffusers as compat
 from pipeline.families.base import (count_blocks, load_pipeline, parameter_bytes, run_vae, tokenizer_special_tokens,
                                     unchanged_latents, vae_config)
-from pipeline.modes import DualMode, GuidanceMode
+from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 
 @dataclass
@@ -47,9 +53,10 @@ class QwenImagePositions:
     ``[(frames, h/2, w/2)]`` per sample."""
 
     img_shapes: list
+    reference: torch.Tensor | None = None  # (B, S_ref, 4·z) packed reference latents (Qwen-Image-Edit)
 
     def to(self, device) -> "QwenImagePositions":
-        return self
+        return QwenImagePositions(self.img_shapes, None if self.reference is None else self.reference.to(device))
 
 
 class QwenImageFamily:
@@ -70,6 +77,7 @@ class QwenImageFamily:
     min_steps = 2  # its scheduler's shift_terminal stretch divides 0 by 0 at 1 step (NaN)
     true_cfg_default = 4.0  # QwenImagePipeline's default: a negative prompt alone guides
     sequence_multiple = 1  # its latent tokens are split as they are
+    requires_image = False  # text alone generates
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
@@ -132,11 +140,16 @@ class QwenImageFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> QwenImageConditioning:
+    def encode_prompts(self, prompts: list[str], images=None) -> QwenImageConditioning:
         """Encode B prompts (``QwenImagePipeline.encode_prompt``: template, last hidden states, the
-        system prefix dropped), padded to the longest (and to a multiple of the ranks) with a mask."""
+        system prefix dropped), padded to the longest (and to a multiple of the ranks) with a mask.
+        ``images``: unused (text-to-image)."""
         embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, num_images_per_prompt=1,
                                                max_sequence_length=self.max_sequence_length)
+        return self._padded(embeds, mask)
+
+    def _padded(self, embeds: torch.Tensor, mask: torch.Tensor | None) -> QwenImageConditioning:
+        """Prompt embeddings (B, L, hidden) and their mask padded to a multiple of the ranks."""
         pad = -embeds.shape[1] % self.text_multiple
         if pad:
             if mask is None:
@@ -150,19 +163,24 @@ class QwenImageFamily:
         """Initial noise, one generator per request drawing its ``count`` samples
         (``QwenImagePipeline.prepare_latents``): latents (B, (h/2)·(w/2), 4·z) packed, and the
         batch's :class:`QwenImagePositions`."""
-        channels = self.transformer.config.in_channels // 4
-        noise = [self.pipe.prepare_latents(count, channels, params.height, params.width, self.dtype, self.device, g)
-                 for g, count in zip(generators, counts, strict=True)]
+        noise = [self._noise(count, params, g) for g, count in zip(generators, counts, strict=True)]
         latents = torch.cat(noise)
         grid = (1, params.height // self.spatial_factor, params.width // self.spatial_factor)
         return latents, QwenImagePositions([[grid]] * latents.shape[0])
+
+    def _noise(self, count: int, params, generator: torch.Generator) -> torch.Tensor:
+        """``count`` samples of packed noise (count, S, 4·z) drawn from ``generator``."""
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(count, channels, params.height, params.width, self.dtype, self.device,
+                                         generator)
 
     after_step = staticmethod(unchanged_latents)  # no image inputs
 
     @staticmethod
     def select_positions(positions: QwenImagePositions, index: torch.Tensor) -> QwenImagePositions:
-        """The latent grids of samples ``index``."""
-        return QwenImagePositions([positions.img_shapes[i] for i in index.tolist()])
+        """The latent grids (and reference latents) of samples ``index``."""
+        return QwenImagePositions([positions.img_shapes[i] for i in index.tolist()],
+                                  None if positions.reference is None else positions.reference[index])
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params):
         """A fresh flow-matching scheduler and its timesteps (``mu`` from the packed sequence
@@ -192,13 +210,19 @@ class QwenImageFamily:
     @torch.no_grad()
     def predict(self, latents, t, cond: QwenImageConditioning, guidance, positions: QwenImagePositions, *,
                 model: str = "transformer", branch: str = "cond"):
-        """One transformer call: latents (B, S, 4·z) → velocity (B, S, 4·z), text masked where padded."""
+        """One transformer call: latents (B, S, 4·z) → velocity (B, S, 4·z), text masked where padded
+        (reference latents, when the positions carry them, join the sequence and their part of
+        the output is dropped, as ``QwenImageEditPipeline``)."""
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        hidden = latents
+        if positions.reference is not None:
+            hidden = torch.cat([latents, positions.reference.to(latents.dtype)], dim=1)
         with self.transformer.cache_context(branch):
-            return self.transformer(
-                hidden_states=latents, timestep=timestep / 1000, guidance=None,
+            out = self.transformer(
+                hidden_states=hidden, timestep=timestep / 1000, guidance=None,
                 encoder_hidden_states_mask=cond.mask, encoder_hidden_states=cond.prompt_embeds,
                 img_shapes=positions.img_shapes[:latents.shape[0]], attention_kwargs={}, return_dict=False)[0]
+        return out if positions.reference is None else out[:, :latents.shape[1]]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, params, vae_decode=None) -> np.ndarray | None:
@@ -220,3 +244,96 @@ class QwenImageFamily:
     def decode_preview(self, latents: torch.Tensor, params) -> np.ndarray:
         """Previews are decoded as the final image."""
         return self.decode(latents, params)
+
+
+# QwenImageEditPipeline resizes the edited image to this many pixels at its aspect ratio
+# (``calculate_dimensions(1024 * 1024, ratio)``), for the text encoder and the reference latents alike.
+EDIT_IMAGE_AREA = 1024 * 1024
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    """Qwen-Image-Edit checkpoints (``QwenImageEditPipeline``): reference editing. The image, at
+    :data:`EDIT_IMAGE_AREA` pixels with the output's aspect ratio, conditions the prompt (and the
+    negative prompt) through the Qwen2.5-VL encoder's vision tower and joins the sequence as
+    packed reference latents."""
+
+    family = "qwen-image-edit"
+    pipeline_classes = ("QwenImageEditPipeline",)
+    input_modes = (InputMode.REFERENCE,)
+    requires_image = True  # QwenImageEditPipeline always edits an image
+
+    @classmethod
+    def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
+                        vae_slicing: bool = False) -> "QwenImageEditFamily":
+        """Load the checkpoint; its ``processor`` through ``compat.transformers.qwen2vl_processor``
+        (without torchvision its video processor is left out: edits give it none)."""
+        from pathlib import Path
+
+        from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
+
+        from compat.transformers import qwen2vl_processor
+
+        given = {"processor": qwen2vl_processor(Path(path) / "processor")} if components == "all" else {}
+        pipe = load_pipeline(QwenImageEditPipeline, path, torch_dtype=torch_dtype, device=device,
+                             components=components, encoders=("text_encoder", "vae", "processor"),
+                             vae_slicing=vae_slicing, given=given)
+        factor = 2 ** len(vae_config(pipe, path, AutoencoderKLQwenImage)["temperal_downsample"])
+        return cls(pipe, factor)
+
+    def edit_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) in pixels the edited image is resized to for an output of
+        ``width`` × ``height`` (its aspect ratio): ``calculate_dimensions`` of diffusers'
+        ``QwenImageEditPipeline`` (multiples of 32)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        w, h, _ = calculate_dimensions(EDIT_IMAGE_AREA, width / height)
+        return int(w), int(h)
+
+    def _edit_images(self, images) -> list:
+        """Each sample's first input image (:class:`pipeline.wire.ImageArray`) as the PIL image
+        ``QwenImageEditPipeline`` gives its processor (resized to :meth:`edit_size`)."""
+        from PIL import Image
+
+        resized = []
+        for image in images:
+            pil = Image.fromarray(image.array())
+            w, h = self.edit_size(*pil.size)
+            resized.append(self.pipe.image_processor.resize(pil, h, w))
+        return resized
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], images=None) -> QwenImageConditioning:
+        """Encode B prompts, each with its sample's image (``images``: per prompt the request's
+        input images, the first is used) through ``QwenImageEditPipeline.encode_prompt``: the edit
+        template, the image's vision tokens in the text, last hidden states, the system prefix
+        dropped; padded like :meth:`QwenImageFamily.encode_prompts`. Raises ``ValueError``
+        without images."""
+        if images is None or any(not imgs for imgs in images):
+            raise ValueError("Qwen-Image-Edit encodes every prompt with its input image")
+        pil = self._edit_images([imgs[0] for imgs in images])
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, image=pil, device=self.device, num_images_per_prompt=1,
+                                               max_sequence_length=self.max_sequence_length)
+        return self._padded(embeds, mask)
+
+    def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
+                        schedule=None):
+        """Initial noise as :meth:`QwenImageFamily.prepare_latents` and each request's image as
+        reference latents: resized to :meth:`edit_size`, the VAE's mode, normalised with the
+        latents mean / std and packed 2×2 (``QwenImageEditPipeline.prepare_latents``), repeated
+        for the request's samples. Positions: ``img_shapes`` ``[(1, h/2, w/2), (1, h_ref/2,
+        w_ref/2)]`` per sample and the reference (B, S_ref, 4·z)."""
+        latents, positions = super().prepare_latents(generators, counts, params)  # the noise draws only
+        ref_w, ref_h = self.edit_size(params.width, params.height)
+        pixels = self.pipe.image_processor.preprocess(self._edit_images([r.images[0] for r in requests]), ref_h, ref_w)
+        pixels = pixels.unsqueeze(2).to(device=self.device, dtype=self.pipe.vae.dtype)
+        references = [compat.qwen_edit_reference_latents(self.pipe, pixels[i:i + 1]).to(self.dtype).expand(count, -1, -1)
+                      for i, count in enumerate(counts)]
+        grid = positions.img_shapes[0][0]
+        ref_grid = (1, ref_h // self.spatial_factor, ref_w // self.spatial_factor)
+        return latents, QwenImagePositions([[grid, ref_grid]] * latents.shape[0], torch.cat(references))
+
+    def _noise(self, count: int, params, generator: torch.Generator) -> torch.Tensor:
+        """As :meth:`QwenImageFamily._noise` (``QwenImageEditPipeline.prepare_latents`` takes the image first)."""
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(None, count, channels, params.height, params.width, self.dtype, self.device,
+                                         generator)[0]

@@ -73,6 +73,7 @@ class WanFamily:
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
+    requires_image = False  # text alone generates
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe
@@ -174,7 +175,7 @@ class WanFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> WanConditioning:
+    def encode_prompts(self, prompts: list[str], images=None) -> WanConditioning:
         """Encode B prompts with UMT5, padded to ``max_sequence_length`` (as ``WanPipeline``)."""
         embeds = compat.wan_prompt_embeds(self.pipe, prompts, self.max_sequence_length, self.device)
         return WanConditioning(embeds.to(self.dtype))

@@ -57,6 +57,7 @@ class ZImageFamily:
     min_steps = 1
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 32  # diffusers' SEQ_MULTI_OF: the unified sequence is padded to it
+    requires_image = False  # text alone generates
     patch_size = 2
 
     def __init__(self, pipe, vae_scale_factor: int):
@@ -119,7 +120,7 @@ class ZImageFamily:
 
     # -- one batch ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> ZImageConditioning:
+    def encode_prompts(self, prompts: list[str], images=None) -> ZImageConditioning:
         """Encode B prompts (``ZImagePipeline.encode_prompt``: chat template, Qwen3's
         second-to-last hidden states of each prompt's real tokens)."""
         embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,

@@ -14,7 +14,8 @@ from typing import Callable
 
 from pipeline.tiny.flux import TINY_FLUX, ensure_tiny_flux, ensure_tiny_flux_kontext
 from pipeline.tiny.flux2 import TINY_FLUX2, ensure_tiny_flux2
-from pipeline.tiny.qwen_image import TINY_QWEN_IMAGE, ensure_tiny_qwen_image
+from pipeline.tiny.qwen_image import (TINY_QWEN_IMAGE, TINY_QWEN_IMAGE_EDIT, ensure_tiny_qwen_image,
+                                      ensure_tiny_qwen_image_edit)
 from pipeline.tiny.z_image import TINY_Z_IMAGE, ensure_tiny_z_image
 from pipeline.tiny.wan import TinyWanArch, ensure_tiny_wan
 
@@ -57,6 +58,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     TINY_FLUX2: EmbeddedModel("flux2", ensure_tiny_flux2),
     # Qwen-Image-style: Qwen2.5-VL text encoder, masked text, norm-rescaled true CFG
     TINY_QWEN_IMAGE: EmbeddedModel("qwen-image", ensure_tiny_qwen_image),
+    # Qwen-Image-Edit-style reference editing: the image seen by the Qwen2.5-VL encoder and as latent tokens
+    TINY_QWEN_IMAGE_EDIT: EmbeddedModel("qwen-image-edit", ensure_tiny_qwen_image_edit),
     # Z-Image (Turbo)-style: Qwen3 text encoder, single-stream DiT over per-sample sequences
     TINY_Z_IMAGE: EmbeddedModel("z-image", ensure_tiny_z_image),
 }
