@@ -16,10 +16,11 @@ from deployments.faults import batch_fault
 from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
+from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import BatchCancelled, ReplicaUnavailableError
-from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_video
+from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
 
@@ -31,13 +32,23 @@ WANTED_RPC_GRACE_S = 5.0  # beyond that, the time a Router's answer may take bef
 
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
-    """The warmup request: the server's default size, frames, steps and acceleration settings."""
+    """The warmup request: the server's default size, frames, steps and acceleration settings
+    (a model that only edits, ``facts.requires_image``, warms up on an edit of a grey image)."""
     from deployments.config import LimitsConfig
 
     serving = facts.limits(model_name, LimitsConfig.model_validate(limits).model_dump())
     defaults = AccelerationDefaults.from_config(acceleration)
     if facts.temporal_factor:
         return resolve_video(VideoGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
+    if facts.requires_image:
+        import io
+
+        from PIL import Image
+
+        png = io.BytesIO()
+        Image.new("RGB", (serving.default_width, serving.default_height), (128, 128, 128)).save(png, "PNG")
+        request = ImageEditRequest(prompt="warmup", seed=0, image=png.getvalue())
+        return resolve_edit(request, serving, defaults, request_id="warmup")
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 

@@ -126,6 +126,22 @@ def test_the_contract_refuses_what_it_cannot_do(runner):
     assert p.input_mode == InputMode.REFERENCE and (p.width, p.height) == (32, 32) and p.num_input_images == 1
 
 
+def test_compile_after_mount_once_and_the_replica_warms_up_on_an_edit():
+    """An edit-only model's warmup batch (a replica's, before torch.compile traces) is an edit of a
+    grey image at the default size; Cache-DiT mounts first, then one compile."""
+    from deployments.replica import default_params
+
+    compiled = BatchRunner(MODEL, torch_compile=True, compile_backend="eager")
+    acceleration = {"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0,
+                                                                   "max_warmup_steps": 1}}
+    head = default_params(MODEL, acceleration, {**LIMITS, "default_steps": 2}, compiled.facts())
+    assert head.input_mode == InputMode.REFERENCE and (head.width, head.height) == (32, 32) and head.enable_cache_dit
+    compiled.warmup(head)
+    assert [e[1] for e in compiled.events][:2] == ["mount", "compile"]
+    compiled.run(batch_of(dataclasses.replace(head, request_id="again", seed=1)))
+    assert compiled.compiles == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "ring_degree": 1}, {"ulysses_degree": 1, "ring_degree": 2}],
                          ids=["ulysses2", "ring2"])
