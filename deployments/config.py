@@ -293,6 +293,11 @@ class ReplicaConfig(_Strict):
     ``cpu_nice``: the replica's and its ranks' CPU priority (Unix nice, 0..19) below the
     serving path's (proxy, Ingress, Router), so refusals, status polls and health checks are
     answered at once while a batch computes on the same cores; 0 keeps the same priority.
+    ``routing_nice``: the Ingress's and the Router's CPU priority (nice, 0..19) below Serve's
+    proxy, so the proxy's refusals (``deployments.proxy.AdmissionGate``) are not delayed while
+    they work through a burst's accepted requests (``bench/overload.py``: refusal p99 190-250 ms
+    at 0, 65-115 ms at 10 on 2 cores); it matters only where the serving path and compute share
+    CPU cores.
     """
 
     num_replicas: int = Field(default=1, ge=1)
@@ -304,6 +309,7 @@ class ReplicaConfig(_Strict):
     health_check_period_s: float = Field(default=2.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
     cpu_nice: int = Field(default=10, ge=0, le=19)
+    routing_nice: int = Field(default=10, ge=0, le=19)
 
     @model_validator(mode="after")
     def _replicas(self):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.proxy import admission_header
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
                              PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
 
@@ -264,6 +265,29 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
             raise ValueError(f"auth.api_keys_file {api_keys_file} holds no key")
         keys += found
     return tuple(k for k in keys if k)
+
+
+class AdmissionHeader:
+    """ASGI middleware: every response names the app's admission limit and route prefix
+    (``deployments.proxy.admission_header``, from ``app.state.admission_limit``), so the proxy's
+    :class:`deployments.proxy.AdmissionGate` refuses at that limit without asking this process."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        limit = getattr(scope.get("app") and scope["app"].state, "admission_limit", None)
+        if scope["type"] != "http" or limit is None:
+            await self.app(scope, receive, send)
+            return
+        header = admission_header(limit, scope.get("root_path", ""))
+
+        async def with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
 
 
 class BearerAuth:

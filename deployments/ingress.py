@@ -10,6 +10,7 @@ import base64
 import contextvars
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ray import serve
 
 from deployments.config import lora_registry
 from deployments.memory import IdleTrimmer
-from deployments.http import (BearerAuth, as_ditserve_error, install_error_handlers, json_body,
+from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -45,6 +46,7 @@ def sse(events) -> StreamingResponse:
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
+api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
 
 
@@ -56,6 +58,7 @@ class Ingress:
     ``models``, ``stats``) of one application."""
 
     def __init__(self, router, config: dict):
+        os.nice(config.get("routing_nice", 0))  # below the proxy, which answers refusals (replica.routing_nice)
         self._router = router
         self._config = config
         self._limits: ServingLimits | None = None
@@ -69,6 +72,7 @@ class Ingress:
         batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"))
         api.state.api_keys = tuple(k.encode() for k in (*keys, *batch_keys))
         api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
+        api.state.admission_limit = config.get("admission_limit")  # for the proxy's AdmissionGate
         self._caller = serve.get_replica_context().replica_id.unique_id
         self._lease: asyncio.Task | None = None
         self._waiting = 0  # requests this replica has handed to the Router and not yet answered

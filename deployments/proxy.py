@@ -1,4 +1,5 @@
-"""Middleware for Serve's HTTP proxy: the errors the proxy answers itself, as OpenAI envelopes.
+"""Middleware for Serve's HTTP proxy: the errors the proxy answers itself, as OpenAI envelopes,
+and refusals of an app at its admission limit answered in the proxy at once.
 
 Ray Serve's proxy answers some requests without reaching the Ingress: 429 when the Ingress's
 own queue is full (``max_queued_requests``, the cheap first line of backpressure; the status
@@ -7,6 +8,15 @@ request, 408 on its request timeout. Those bodies are plain
 text; this middleware rewrites every error response that is not already JSON into OpenAI's
 error envelope, with ``Retry-After`` kept, and never echoes Serve's message (it can name
 actors, processes and addresses).
+
+:class:`AdmissionGate` answers 429 itself, before Serve routes the request, while the requests
+the proxy has in flight to an app have reached that app's admission limit. Serve would refuse
+them too, but only after its request router has tried the Ingress replica (an RPC), and while the
+Ingress works through a burst's accepted requests those refusals waited hundreds of
+milliseconds for it (``bench/overload.py``). Each ditserve Ingress names its limit and route
+prefix in a response header (:data:`ADMISSION_HEADER`); the gate learns them from the first
+response of each app and counts only what it forwards, so an app it knows nothing of, or one
+served by several proxies (each sees a share), is left to Serve's own refusal.
 
 Serve loads it in the proxy process from the environment variable
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy:middlewares`` (read when the
@@ -17,9 +27,14 @@ KubeRay manifests do). Torch-free and light: the proxy imports it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from starlette.middleware import Middleware
+
+# "<limit>; prefix=<route prefix>": requests an app holds at once (its Ingress's
+# max_ongoing_requests plus Serve's queue in front of it) and where it is mounted.
+ADMISSION_HEADER = b"x-ditserve-admission"
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "deployments.proxy:middlewares"
@@ -41,7 +56,10 @@ def envelope_for(status: int) -> bytes:
 
 class OpenAIErrorEnvelope:
     """ASGI middleware: an error response (status >= 400) whose body is not JSON is replaced by
-    OpenAI's envelope for its status; JSON responses (every one the Ingress makes) pass as they are."""
+    OpenAI's envelope for its status; JSON responses (every one the Ingress makes) pass as they are.
+    A request left without any answer (Serve's proxy, when the Ingress died holding it, returns
+    without one, and uvicorn would answer a plain 500), or an exception before one, is answered
+    with the 500 envelope."""
 
     def __init__(self, app):
         self.app = app
@@ -50,9 +68,11 @@ class OpenAIErrorEnvelope:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rewriting = {}
+        rewriting, answered = {}, []
 
         async def send_rewritten(message):
+            if message["type"] == "http.response.start":
+                answered.append(True)
             if message["type"] == "http.response.start" and message["status"] >= 400:
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
                 content_type = dict(headers).get(b"content-type", b"")
@@ -72,12 +92,91 @@ class OpenAIErrorEnvelope:
                 return
             await send(message)
 
-        await self.app(scope, receive, send_rewritten)
+        try:
+            await self.app(scope, receive, send_rewritten)
+        except Exception:
+            if answered:
+                raise  # the answer has begun: nothing else can be sent
+            logging.getLogger("ray.serve").exception("the request failed before an answer; answering 500")
+        if not answered:
+            body = envelope_for(500)
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def admission_header(limit: int, route_prefix: str) -> tuple[bytes, bytes]:
+    """The header an Ingress sends with every response (:class:`AdmissionGate` reads it)."""
+    return ADMISSION_HEADER, f"{limit}; prefix={route_prefix or '/'}".encode()
+
+
+def parse_admission(value: bytes) -> tuple[int, str] | None:
+    """``(limit, route prefix)`` of an :data:`ADMISSION_HEADER` value, or None if malformed."""
+    limit, _, rest = value.decode("latin-1").partition(";")
+    key, _, prefix = rest.strip().partition("=")
+    if key != "prefix" or not prefix.startswith("/") or not limit.strip().isdigit():
+        return None
+    return int(limit), prefix.rstrip("/") or "/"
+
+
+class AdmissionGate:
+    """ASGI middleware: 429 (OpenAI's envelope, ``Retry-After: 1``) at once for a request to an
+    app whose requests in flight through this proxy have reached its admission limit.
+
+    Limits and route prefixes are learned from :data:`ADMISSION_HEADER` on the app's responses
+    (the longest prefix matching a path wins); only the API routes (``<prefix>/v1/...``) are
+    gated, so requests to other apps and paths pass untouched. In flight: from the request's arrival here until its response has been sent or
+    the client left."""
+
+    def __init__(self, app):
+        self.app = app
+        self.limits: dict[str, int] = {}     # route prefix -> admission limit
+        self.in_flight: dict[str, int] = {}  # route prefix -> requests forwarded and not yet answered
+
+    def prefix_of(self, path: str) -> str | None:
+        """The longest learned route prefix whose API (``<prefix>/v1/...``) ``path`` is in, or
+        None (other apps' paths, and the app's ``/health`` and page, are left to Serve)."""
+        best = None
+        for prefix in self.limits:
+            if path.startswith(prefix.rstrip("/") + "/v1/") and (best is None or len(prefix) > len(best)):
+                best = prefix
+        return best
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        prefix = self.prefix_of(scope["path"])
+        if prefix is not None and self.in_flight.get(prefix, 0) >= self.limits[prefix]:
+            body = envelope_for(429)
+            await send({"type": "http.response.start", "status": 429,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if prefix is not None:
+            self.in_flight[prefix] = self.in_flight.get(prefix, 0) + 1
+
+        async def learn(message):
+            if message["type"] == "http.response.start":
+                for name, value in message.get("headers", ()):
+                    if name.lower() == ADMISSION_HEADER:
+                        learned = parse_admission(value)
+                        if learned is not None:
+                            self.limits[learned[1]] = learned[0]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, learn)
+        finally:
+            if prefix is not None:
+                self.in_flight[prefix] -= 1
 
 
 def middlewares() -> list[Middleware]:
-    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares."""
-    return [Middleware(OpenAIErrorEnvelope)]
+    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares (the
+    envelope outermost, so the gate's own answers and Serve's pass through it)."""
+    return [Middleware(OpenAIErrorEnvelope), Middleware(AdmissionGate)]
 
 
 def install(environ=os.environ) -> None:

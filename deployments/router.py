@@ -15,6 +15,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections import Counter as Tally
@@ -83,7 +84,8 @@ class Router:
     ``capacity``: batches that may run at once while the replica set is not yet known.
     """
 
-    def __init__(self, replica, capacity: int, videos: dict | None = None):
+    def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0):
+        os.nice(routing_nice)  # below the proxy, which answers refusals (replica.routing_nice)
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
         self._capacity = capacity

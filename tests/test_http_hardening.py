@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 from openai import AuthenticationError, OpenAI
 
-from deployments.proxy import OpenAIErrorEnvelope
+from deployments.proxy import AdmissionGate, OpenAIErrorEnvelope, admission_header, parse_admission
 from tests.helpers import TINY_ARGS
 
 pytestmark = pytest.mark.slow
@@ -118,7 +118,19 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
         await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"error": {"message": "ours"}}'})
 
+    async def dies(scope, receive, send):
+        raise RuntimeError("actor 1.2.3.4 died")
+
+    async def silent(scope, receive, send):  # Serve's proxy when the Ingress died holding the request
+        return
+
     async def run():
+        for app in (dies, silent):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(app)),
+                                         base_url="http://t") as c:
+                died = await c.post("/v1/images/generations")
+                assert died.status_code == 500 and envelope(died)["code"] == "internal_error"
+                assert "1.2.3.4" not in died.text
         async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(plain)), base_url="http://t") as c:
             answers = {s: await c.get(f"/{s}") for s in (429, 500, 503, 408)}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(json_app)),
@@ -132,6 +144,47 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
         assert r.status_code == status and "1.2.3.4" not in r.text and error["code"]
     assert answers[429].headers["retry-after"] == "1" and envelope(answers[429])["type"] == "rate_limit_error"
     assert ours.json() == {"error": {"message": "ours"}}
+
+
+def test_the_admission_gate_refuses_at_the_learned_limit():
+    """The gate learns an app's limit and prefix from its answers' header, counts the API
+    requests it forwards, answers 429 (envelope, Retry-After) at once at the limit, lets them
+    through again when one finishes, and leaves other paths and unknown apps alone."""
+    assert parse_admission(admission_header(264, "")[1]) == (264, "/")
+    assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1")
+    assert parse_admission(b"eight; prefix=/") is None and parse_admission(b"8") is None
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):  # an app that holds its /v1 requests until released
+        if scope["path"].startswith("/v1/") and scope["path"] != "/v1/models":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    gate = AdmissionGate(app)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(gate)),
+                                     base_url="http://t") as c:
+            held = [asyncio.ensure_future(c.post("/v1/images/generations")) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            assert gate.prefix_of("/v1/images/generations") is None  # no answer seen yet
+            assert (await c.get("/v1/models")).status_code == 200  # an answer: limit 2 at "/"
+            assert gate.prefix_of("/v1/images/generations") == "/" and gate.prefix_of("/health") is None
+            more = [asyncio.ensure_future(c.post("/v1/images/generations")) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            assert gate.in_flight["/"] == 2 and not any(f.done() for f in more)  # counted from now on
+            refused = await c.post("/v1/images/generations")
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert envelope(refused)["code"] == "overloaded"
+            assert (await c.get("/health")).status_code == 200  # not the API: passes
+            release.set()
+            answers = await asyncio.gather(*held, *more)
+            assert [r.status_code for r in answers] == [200] * 4 and gate.in_flight["/"] == 0
+            assert (await c.post("/v1/images/generations")).status_code == 200
+
+    asyncio.run(run())
 
 
 def test_a_batch_key_defaults_its_requests_to_batch_priority():

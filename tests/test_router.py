@@ -165,6 +165,32 @@ def test_overflow_is_429_without_touching_replicas(deploy):
     wait_until(lambda: held()["counters"].get("requests", 0) == 6 + served)  # the refused never ran
 
 
+def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(deploy):
+    """Every Ingress answer names the app's admission limit (2 queued + a batch of 4 = 6) and
+    route prefix; once the proxy's AdmissionGate has seen it, requests beyond 6 in flight are
+    refused in the proxy at once: none waits at Serve's door, none reaches the Router."""
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+                  "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}, fresh=True)
+    first = httpx.get(f"{url}/v1/models", timeout=30)
+    assert first.status_code == 200 and first.headers["x-ditserve-admission"] == "6; prefix=/"
+    router = serve.get_deployment_handle("Router", "ditserve")
+    held = lambda: router.stats.remote().result()  # noqa: E731
+    with ThreadPoolExecutor(24) as pool:
+        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **SLOW})
+        wait_until(lambda: held()["inflight_batches"] == 1)
+        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(5)]
+        wait_until(lambda: held()["queued"] == 5)
+        flood = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": 100 + i, **FAST}, 60), range(12)))
+        assert [r.status_code for r in flood] == [429] * 12  # at the limit: nobody waits at the door
+        for r in flood:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # outside the API: Serve decides
+        assert all(f.result().status_code == 200 for f in [running, *queued])
+    assert post(url, {"prompt": "after", "seed": 9, **FAST}).status_code == 200  # room again
+    counters = held()["counters"]
+    assert counters.get("requests", 0) == 7 and not counters.get("rejected_overloaded")
+
+
 def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
