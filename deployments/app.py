@@ -15,9 +15,11 @@ from deployments.router import Router
 SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
 # Backpressure in front of the Router. The Ingress takes as many requests at once as the app
 # admits (admission_limit); at most INGRESS_PROXY_QUEUE more wait at the door, in Serve's proxy,
-# for a slot; past that the proxy refuses at once without calling the Ingress (429 +
-# Retry-After, made an envelope by deployments.proxy): the cheapest refusal there is, which keeps
-# a 10x burst's refusals fast. Under overload, polls and stats wait or are refused the same way.
+# for a slot; past that Serve's proxy refuses (429 + Retry-After, made an envelope by
+# deployments.proxy). Once the proxy's AdmissionGate has seen the app's limit in an answer, it
+# refuses at admission_limit itself, before Serve asks the Ingress replica (the cheaper refusal);
+# the door still applies until then and for the app's paths the gate leaves alone (/health, the
+# page). Under overload, polls and stats wait or are refused the same way.
 # (Not a tiny queue: Serve counts requests that arrive together and are still being assigned as
 # queued, so it would refuse bursts the Ingress has room for.)
 INGRESS_PROXY_QUEUE = 32
@@ -76,7 +78,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     return {"DiTReplica": replica,
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S,
                        "ray_actor_options": light},
-            "Ingress": {"ray_actor_options": light, "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
+            "Ingress": {"ray_actor_options": light,
+                        "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
                         "max_ongoing_requests": admission_limit(config),
                         "max_queued_requests": INGRESS_PROXY_QUEUE,

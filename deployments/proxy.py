@@ -32,8 +32,8 @@ import os
 
 from starlette.middleware import Middleware
 
-# "<limit>; prefix=<route prefix>": requests an app holds at once (its Ingress's
-# max_ongoing_requests plus Serve's queue in front of it) and where it is mounted.
+# "<limit>; prefix=<route prefix>": requests an app holds at once (max_queued_requests plus a
+# full batch per replica: its Ingress's max_ongoing_requests) and where it is mounted.
 ADMISSION_HEADER = b"x-ditserve-admission"
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -101,7 +101,8 @@ class OpenAIErrorEnvelope:
         if not answered:
             body = envelope_for(500)
             await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
 
 
@@ -125,8 +126,8 @@ class AdmissionGate:
 
     Limits and route prefixes are learned from :data:`ADMISSION_HEADER` on the app's responses
     (the longest prefix matching a path wins); only the API routes (``<prefix>/v1/...``) are
-    gated, so requests to other apps and paths pass untouched. In flight: from the request's arrival here until its response has been sent or
-    the client left."""
+    gated, so requests to other apps and paths pass untouched. In flight: from the request's
+    arrival here until its response has been sent or the client left."""
 
     def __init__(self, app):
         self.app = app

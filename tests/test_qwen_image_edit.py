@@ -142,6 +142,15 @@ def test_compile_after_mount_once_and_the_replica_warms_up_on_an_edit():
     assert compiled.compiles == 1
 
 
+def test_layouts_that_cannot_split_every_edit_are_refused_at_startup(runner):
+    """3 ranks cannot always split an edit's reference tokens (a multiple of 4): refused before
+    any group is touched, naming the degrees."""
+    from parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="ulysses_degree x ring_degree = 3 must divide 4"):
+        runner.family.enable_sequence_parallel(ParallelConfig(ring_degree=3), None, 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"ulysses_degree": 2, "ring_degree": 1}, {"ulysses_degree": 1, "ring_degree": 2}],
                          ids=["ulysses2", "ring2"])

@@ -280,6 +280,16 @@ class QwenImageEditFamily(QwenImageFamily):
         factor = 2 ** len(vae_config(pipe, path, AutoencoderKLQwenImage)["temperal_downsample"])
         return cls(pipe, factor)
 
+    def enable_sequence_parallel(self, config, mesh, rank: int) -> None:
+        """As :meth:`QwenImageFamily.enable_sequence_parallel`. The reference tokens join each
+        sample's split sequence; their count, ``(w_ref/16)·(h_ref/16)`` with both sides multiples of
+        32 pixels, is a multiple of 4, so the ranks must divide 4 for every edit to split (the
+        sample's own tokens are checked per request). Raises ``ValueError`` otherwise."""
+        if 4 % config.sp_degree:
+            raise ValueError(f"Qwen-Image-Edit's reference tokens are a multiple of 4: ulysses_degree x "
+                             f"ring_degree = {config.sp_degree} must divide 4")
+        super().enable_sequence_parallel(config, mesh, rank)
+
     def edit_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) in pixels the edited image is resized to for an output of
         ``width`` × ``height`` (its aspect ratio): ``calculate_dimensions`` of diffusers'
