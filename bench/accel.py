@@ -251,15 +251,20 @@ def family_rows(ns, model: str) -> None:
     true_cfg = runner.family.guidance_style == GuidanceMode.TRUE_CFG
     cfg = {"negative_prompt": "a blurry picture", **({"true_cfg_scale": 4.0} if true_cfg else {"guidance_scale": 4.0})}
     cfg_name = "true CFG 4.0" if true_cfg else "CFG 4.0"
-    rows = [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True}),
+    # cache-dit's defaults compute Fn=8 blocks every step: on a model with fewer blocks (the
+    # 4-block tiny-qwen-image-edit) they are a 400, so there the SCM rows compute Fn=1 and the
+    # row of DBCache's defaults is left out
+    few = facts.num_blocks < 8
+    fn = {"Fn_compute_blocks": 1} if few else {}
+    suffix = ", Fn=1" if few else ""
+    if few:
+        print(f"{model}: {facts.num_blocks} transformer blocks, fewer than cache-dit's default "
+              f"Fn_compute_blocks=8: no row for DBCache defaults, SCM rows with Fn=1")
+    rows = [*([] if few else [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True})]),
             ("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {
                 "Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 4}}),
-            ("SCM medium (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
-                "scm_preset": "medium", "scm_policy": "static"}}),
-            ("SCM fast (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
-                "scm_preset": "fast", "scm_policy": "static"}}),
-            ("SCM ultra (static)", {}, {"enable_cache_dit": True, "cache_dit_params": {
-                "scm_preset": "ultra", "scm_policy": "static"}}),
+            *((f"SCM {preset} (static{suffix})", {}, {"enable_cache_dit": True, "cache_dit_params": {
+                "scm_preset": preset, "scm_policy": "static", **fn}}) for preset in ("medium", "fast", "ultra")),
             (f"CFG gating 0.5 ({cfg_name})", cfg, {"cfg_gate_step": 0.5}),
             (f"CFG gating 0.25 ({cfg_name})", cfg, {"cfg_gate_step": 0.25})]
     print(f"\n{model} ({facts.family}) {ns.size}, {ns.steps} steps, {ns.threads} threads, "

@@ -67,7 +67,7 @@ def _own_pids(tmp: Path, pgid: int) -> list[int]:
 
 
 def _stop(head: subprocess.Popen, tmp: Path) -> None:
-    for sig, grace_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+    for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         pids = _own_pids(tmp, head.pid)
         for pid in pids:
             try:

@@ -29,6 +29,9 @@ TWO_REPLICAS = {
 }
 FAST = {"size": "64x64", "num_inference_steps": 2}
 SLOW = {"size": "256x256", "num_inference_steps": 60}  # about 3 s on one CPU thread
+# about 5 s: holds the one replica while the queue behind it fills and a flood comes (the queued
+# requests are FAST: they only have to wait, and then cost little)
+LONG = {**SLOW, "num_inference_steps": 100}
 
 
 @pytest.fixture()
@@ -149,9 +152,9 @@ def test_overflow_is_429_without_touching_replicas(deploy):
     router = serve.get_deployment_handle("Router", "ditserve")  # the Ingress is full: ask the Router itself
     held = lambda: router.stats.remote().result()  # noqa: E731
     with ThreadPoolExecutor(48) as pool:
-        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **SLOW})
+        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})
         wait_until(lambda: held()["inflight_batches"] == 1)
-        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(5)]
+        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **FAST}) for i in range(5)]
         wait_until(lambda: held()["queued"] == 5)
         flood = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": 100 + i, **FAST}, 600), range(40)))
         refused = [r for r in flood if r.status_code == 429]
@@ -176,9 +179,9 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
     router = serve.get_deployment_handle("Router", "ditserve")
     held = lambda: router.stats.remote().result()  # noqa: E731
     with ThreadPoolExecutor(24) as pool:
-        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **SLOW})
+        running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})
         wait_until(lambda: held()["inflight_batches"] == 1)
-        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **SLOW}) for i in range(5)]
+        queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **FAST}) for i in range(5)]
         wait_until(lambda: held()["queued"] == 5)
         flood = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": 100 + i, **FAST}, 60), range(12)))
         assert [r.status_code for r in flood] == [429] * 12  # at the limit: nobody waits at the door
