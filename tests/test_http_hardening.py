@@ -10,7 +10,8 @@ import pytest
 from fastapi import FastAPI, Request
 from openai import AuthenticationError, OpenAI
 
-from deployments.proxy import AdmissionGate, OpenAIErrorEnvelope, admission_header, parse_admission
+from deployments.proxy import (AdmissionGate, IdleFullCollection, OpenAIErrorEnvelope, admission_header,
+                               parse_admission)
 from tests.helpers import TINY_ARGS
 
 pytestmark = pytest.mark.slow
@@ -185,6 +186,52 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
             assert (await c.post("/v1/images/generations")).status_code == 200
 
     asyncio.run(run())
+
+
+def test_the_proxy_collects_garbage_fully_only_when_idle(monkeypatch):
+    """Generation-2 collections (one stalled a burst's refusals for 111 ms) wait until the proxy
+    has had nothing in flight for FULL_COLLECTION_IDLE_S; then exactly one runs, and none while
+    idle without traffic. Generation 0 and 1 thresholds are left as they were."""
+    import gc
+
+    from deployments import proxy
+
+    monkeypatch.setattr(proxy, "FULL_COLLECTION_IDLE_S", 0.2)
+    before = gc.get_threshold()
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def full_collections() -> int:
+        return gc.get_stats()[2]["collections"]
+
+    try:
+        collector = IdleFullCollection(app)
+        assert gc.get_threshold() == (before[0], before[1], proxy.MAX_DEFERRED_GEN1_COLLECTIONS)
+
+        async def run():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(collector), base_url="http://t") as c:
+                start = full_collections()
+                slow = asyncio.ensure_future(c.get("/slow"))
+                await c.get("/fast")
+                await asyncio.sleep(0.4)  # one request still in flight: not idle
+                assert collector.in_flight == 1 and full_collections() == start
+                release.set()
+                assert (await slow).status_code == 200
+                await asyncio.sleep(0.1)  # idle for less than FULL_COLLECTION_IDLE_S
+                assert full_collections() == start
+                await asyncio.sleep(0.3)
+                assert full_collections() == start + 1
+                await asyncio.sleep(0.4)  # idle with nothing served since: no other collection
+                assert full_collections() == start + 1
+
+        asyncio.run(run())
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_a_batch_key_defaults_its_requests_to_batch_priority():
