@@ -282,11 +282,12 @@ def _deploy_config(args: dict, router_user_config: dict) -> None:
     wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
 
 
-def test_user_config_changes_batching_without_a_restart(deploy):
+def test_user_config_changes_batching_without_a_restart(ray_cluster):
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
     small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
-    url = deploy(small, fresh=True)
-    serve.delete("ditserve")
+    if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
+        serve.delete("ditserve")
+    url = ray_cluster["url"]
     _deploy_config(one, small["batching"])
     before = stats(url)
     assert before["max_batch_size"] == 1
