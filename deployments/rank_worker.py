@@ -68,6 +68,21 @@ def make_runner(model: dict, acceleration: dict, rank: int = 0):
                        components="all" if rank == 0 else "denoiser+vae" if model["vae_tiling"] else "denoiser")
 
 
+def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[str]:
+    """What the checkpoint's ``transformer/config.json`` alone says ``config`` cannot serve
+    (its attention heads, ``pipeline.families.checkpoint_attention_heads``), before anything is
+    loaded; empty when nothing is known yet (a hub id, a config without the key): rank 0 checks
+    the loaded model again in :meth:`RankGroup.join`. ``model``: ``ModelConfig`` as a dict."""
+    from pathlib import Path
+
+    from pipeline.families import checkpoint_attention_heads
+    from pipeline.tiny.registry import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(model["name"], model.get("path"))
+    heads = checkpoint_attention_heads(checkpoint) if isinstance(checkpoint, Path) else None
+    return [] if heads is None else config.startup_problems(num_heads=heads)
+
+
 class GroupBroken(RuntimeError):
     """A batch left the replica's process group unusable: a rank died, or ranks failed
     differently (some may be blocked in a collective). The replica must be replaced."""
@@ -138,13 +153,19 @@ class RankGroup:
     def __init__(self, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None,
                  rank_resources: dict, name_prefix: str, cpu_nice: int = 0):
         """Create the rank actors (they start loading at once). Raises ``ValueError`` when the
-        placement group does not have one bundle per rank."""
+        placement group does not have one bundle per rank, or when the checkpoint's transformer
+        config already rules the layout out (:func:`layout_problems_before_loading`): then no
+        rank starts, and Serve's retries of the constructor each fail in seconds, not after
+        every rank has loaded the model."""
         self.config = ParallelConfig.of(parallel)
         self.rendezvous_timeout_s = float(parallel.get("rendezvous_timeout_s", 600.0))
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.config.world_size:
             raise ValueError(f"world_size={self.config.world_size} needs one placement-group bundle per rank; "
                              f"the replica has {0 if pg is None else len(pg.bundle_specs)}")
+        problems = layout_problems_before_loading(model, self.config)
+        if problems:
+            raise ValueError("bad parallel layout: " + "; ".join(problems))
         self.workers = [
             RankWorker.options(
                 name=f"{name_prefix}-rank{rank}",

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from ray import serve
 
-from deployments.rank_worker import RankWorker, rank_device
+from deployments.rank_worker import RankWorker, layout_problems_before_loading, rank_device
 from parallel.attention import lse_math_attention
 from parallel.config import ParallelConfig
 from parallel.groups import free_port
@@ -32,6 +32,20 @@ def test_layout_checks():
     assert "2 placement-group bundles" in ParallelConfig(2, 2).startup_problems(num_heads=4, bundles=2)[0]
     assert ParallelConfig(2, 2).split_problems({"image tokens": 70, "text tokens": 32}) == [
         "image tokens has 70 tokens, not divisible by the 4 sequence-parallel ranks"]
+
+
+def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path):
+    """The heads come from ``transformer/config.json`` under either diffusers key (Z-Image's
+    ``n_heads``); a checkpoint whose config says nothing defers to the check after loading."""
+    assert layout_problems_before_loading({"name": "tiny-flux"}, ParallelConfig(3, 1)) == [
+        "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
+    assert layout_problems_before_loading({"name": "tiny-flux"}, ParallelConfig(2, 1)) == []
+    assert layout_problems_before_loading({"name": "tiny-z-image"}, ParallelConfig(3, 1)) == [
+        "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "SomeTransformer"}')
+    assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
 
 
 def test_a_rank_runs_on_the_gpu_ray_gave_it():

@@ -57,3 +57,20 @@ def load_family(name: str, path: str | Path, *, torch_dtype, device, **options):
     diffusers_logging.set_verbosity_error()
     transformers_logging.set_verbosity_error()
     return cls.from_pretrained(path, torch_dtype=torch_dtype, device=device, **options)
+
+
+# The key of a diffusers transformer config.json that holds its attention heads per layer:
+# ``num_attention_heads`` (Flux, Flux2, QwenImage, Wan transformers), ``n_heads``
+# (ZImageTransformer2DModel).
+HEADS_CONFIG_KEYS = ("num_attention_heads", "n_heads")
+
+
+def checkpoint_attention_heads(path: str | Path) -> int | None:
+    """Attention heads per layer of the ``transformer`` of the diffusers directory ``path``,
+    read from its ``transformer/config.json`` without loading anything (None when that file or
+    key is missing: the loaded family's ``num_attention_heads`` decides then)."""
+    config = Path(path) / "transformer" / "config.json"
+    if not config.exists():
+        return None
+    values = json.loads(config.read_text())
+    return next((int(values[key]) for key in HEADS_CONFIG_KEYS if key in values), None)
