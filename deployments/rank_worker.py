@@ -76,10 +76,14 @@ def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[
     from pathlib import Path
 
     from pipeline.families import checkpoint_attention_heads
-    from pipeline.tiny.registry import resolve_checkpoint
 
-    checkpoint = resolve_checkpoint(model["name"], model.get("path"))
-    heads = checkpoint_attention_heads(checkpoint) if isinstance(checkpoint, Path) else None
+    if model.get("path"):  # a configured checkpoint: no torch import before the ranks start
+        checkpoint = Path(model["path"]).expanduser()
+    else:  # an embedded tiny model, built on first use (rank 0 would build it now anyway)
+        from pipeline.tiny.registry import resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(model["name"], None)
+    heads = checkpoint_attention_heads(checkpoint) if checkpoint.is_dir() else None
     return [] if heads is None else config.startup_problems(num_heads=heads)
 
 

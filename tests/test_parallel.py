@@ -46,6 +46,11 @@ def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "SomeTransformer"}')
     assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
+    assert layout_problems_before_loading({"name": "hub", "path": "org/model-id"}, ParallelConfig(3, 1)) == []
+    from pipeline.tiny.registry import TRAINED_TINY_FLUX
+
+    assert layout_problems_before_loading({"name": "mine", "path": str(TRAINED_TINY_FLUX)}, ParallelConfig(3, 1)) == [
+        "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
 
 
 def test_a_rank_runs_on_the_gpu_ray_gave_it():
