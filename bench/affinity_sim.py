@@ -1,6 +1,6 @@
 """Affinity routing in simulation: how far below the default router's state changes a router
-can go on ``bench/batching.py``'s mixed workload at no more than 1.10x its p99 latency, and
-what an online router lacks to get there.
+can go on ``bench/batching.py``'s mixed workload at no more than 1.10x its p99 latency, with
+the router's own policy, with an online planner, and with an offline search.
 
 The workload as a discrete-event model: 100 requests whose signatures are
 ``num_inference_steps`` 2-5 (``random.Random(0)``, as the bench draws them), sent in order by 8
@@ -21,16 +21,20 @@ Policies, each printed as (state changes / default's, p99 latency / default's):
   each free replica, or waiting) ``--horizon-s`` ahead over ``--futures`` sampled futures (new
   requests' signatures drawn uniformly: a router does not know them), continuing with
   ``affinity`` at 100 ms, and takes the action of least ``changes + λ · Σ s over --target-s``
-  of the latencies and waits; durations are known to it exactly. ``lookahead, true future``:
-  the same, its rollouts seeing the signatures that will really come (no router can).
+  of the latencies and waits; it knows more than a router would (:func:`lookahead_policy`).
+  ``lookahead, true future``: the same, its rollouts seeing the signatures that will really
+  come (no router can).
 - ``clairvoyant``: an offline beam search (``--beam`` schedules kept per decision) over the same
   actions, knowing every signature in advance and every duration (noise-free), with every
-  latency at most 1.10x the noise-free default's p99. A search, not a proof: its figure is one
-  schedule that exists, not the least possible.
+  latency at most 1.10x the noise-free default's p99 (one round: its p99 is its maximum). A
+  search, not a proof: its figure is one schedule that exists, not the least possible.
 
-    .venv/bin/python bench/affinity_sim.py [--seeds 3] [--beam 300]
+Each ratio is against the default router's run with the same noise seed; the range over the
+seeds follows it (p99 of 300 latencies is their 3rd largest: a few requests move it).
 
-No Ray, no model, one core: about 10 minutes (the lookahead rows).
+    .venv/bin/python bench/affinity_sim.py [--seeds 16] [--lookahead-seeds 3] [--beam 300]
+
+No Ray, no model, one core: about a minute.
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ import argparse
 import random
 import statistics
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments import scheduling as S  # noqa: E402
+from deployments import scheduling  # noqa: E402
 
 HOP_S = 0.020
 CLIENTS, REPLICAS, MAX_BATCH, MAX_WAIT_S = 8, 2, 4, 0.010
@@ -59,17 +64,24 @@ def batch_s(steps: int, images: int) -> float:
 
 def workload(requests: int = 100) -> list[int]:
     rng = random.Random(0)
-    return [rng.choice([2, 3, 4, 5]) for _ in range(requests)]
+    return [rng.choice(SIGNATURES) for _ in range(requests)]
+
+
+@dataclass
+class Replica:
+    state: int | None = None         # the signature of its last batch (None: fresh)
+    busy_until: float | None = None  # s (None: free)
+    members: tuple = ()              # send times of the requests in its running batch
 
 
 class Sim:
-    """One round's state: queues (signature -> [(arrived, sent)]), replicas [state, busy_until,
-    members' send times], requests in transit, counters. Copyable for lookahead and search."""
+    """One round's state: queues (signature -> [(arrived, sent)]), replicas, requests in
+    transit ((arrives, signature, sent)), counters. Copyable for lookahead and search."""
 
     def __init__(self, sequence: list[int], t0: float = 0.0, states=(None,) * REPLICAS):
         self.sequence, self.t, self.sent = sequence, t0, CLIENTS
         self.queues: dict[int, list] = {}
-        self.replicas = [[s, None, ()] for s in states]
+        self.replicas = [Replica(state) for state in states]
         self.transit = sorted((t0 + HOP_S, sequence[i], t0) for i in range(CLIENTS))
         self.done, self.changes, self.latencies, self.idle_since = 0, 0, [], t0
 
@@ -78,7 +90,7 @@ class Sim:
         c.sequence, c.t, c.sent, c.done, c.changes, c.idle_since = (
             self.sequence, self.t, self.sent, self.done, self.changes, self.idle_since)
         c.queues = {k: list(v) for k, v in self.queues.items()}
-        c.replicas = [list(r) for r in self.replicas]
+        c.replicas = [replace(r) for r in self.replicas]
         c.transit, c.latencies = list(self.transit), list(self.latencies)
         return c
 
@@ -86,7 +98,7 @@ class Sim:
         return self.done == len(self.sequence)
 
     def next_event(self) -> float | None:
-        times = [r[1] for r in self.replicas if r[1] is not None] + [a for a, _, _ in self.transit[:1]]
+        times = [r.busy_until for r in self.replicas if r.busy_until is not None] + [a for a, _, _ in self.transit[:1]]
         return min(times, default=None)
 
     def advance(self, t: float, next_signature) -> None:
@@ -97,34 +109,34 @@ class Sim:
             arrived, signature, sent = self.transit.pop(0)
             self.queues.setdefault(signature, []).append((arrived, sent))
         for r in self.replicas:
-            if r[1] is not None and r[1] <= t + 1e-12:
-                for sent in r[2]:
+            if r.busy_until is not None and r.busy_until <= t + 1e-12:
+                for sent in r.members:
                     self.latencies.append(t + HOP_S - sent)
                     self.done += 1
                     if self.sent < len(self.sequence):
                         self.transit.append((t + 2 * HOP_S, next_signature(self), t + HOP_S))
                         self.sent += 1
                 self.transit.sort()
-                r[1], r[2] = None, ()
-        if self.idle_since is None and all(r[1] is None for r in self.replicas):
+                r.busy_until, r.members = None, ()
+        if self.idle_since is None and all(r.busy_until is None for r in self.replicas):
             self.idle_since = t
 
     def dispatch(self, signature: int, replica: int, duration_s: float) -> None:
         queue = self.queues[signature]
         cut, self.queues[signature] = queue[:MAX_BATCH], queue[MAX_BATCH:]
         r = self.replicas[replica]
-        self.changes += r[0] is not None and r[0] != signature
-        r[0], r[1], r[2] = signature, self.t + duration_s, tuple(sent for _, sent in cut)
+        self.changes += r.state is not None and r.state != signature
+        r.state, r.busy_until, r.members = signature, self.t + duration_s, tuple(sent for _, sent in cut)
         self.idle_since = None
 
     def actions(self) -> list:
         """Every distinct dispatch (signature, free replica) now, and None (wait for the next event)."""
-        free = [i for i, r in enumerate(self.replicas) if r[1] is None]
+        free = [i for i, r in enumerate(self.replicas) if r.busy_until is None]
         out = [None]
         for signature, queue in self.queues.items():
             seen = set()
             for i in free:
-                kind = self.replicas[i][0]
+                kind = self.replicas[i].state
                 if queue and kind not in seen:
                     seen.add(kind)
                     out.append((signature, i))
@@ -133,22 +145,25 @@ class Sim:
         return out
 
     def views(self):
-        queues = [S.QueueView(str(s), self.t - q[0][0], len(q), float(len(q))) for s, q in self.queues.items() if q]
-        replicas = [S.ReplicaView(str(i), None if r[0] is None else str(r[0]), r[1] is not None)
+        queues = [scheduling.QueueView(str(s), self.t - q[0][0], len(q), float(len(q)))
+                  for s, q in self.queues.items() if q]
+        replicas = [scheduling.ReplicaView(str(i), None if r.state is None else str(r.state), r.busy_until is not None)
                     for i, r in enumerate(self.replicas)]
         return queues, replicas
 
 
-def choose_queue_policy(affinity: bool, switch_cost_s: float = S.DEFAULT_SWITCH_COST_S):
+def choose_queue_policy(affinity: bool, switch_cost_s: float = scheduling.DEFAULT_SWITCH_COST_S):
     """``deployments.scheduling.choose_queue`` as a policy: (action, next wake-up time or None)."""
     def decide(sim: Sim):
         queues, replicas = sim.views()
         if not queues:
             return None, None
         idle_s = sim.t - sim.idle_since if sim.idle_since is not None else None
-        d = S.choose_queue(queues, replicas, max_batch_size=MAX_BATCH, max_wait_s=MAX_WAIT_S,
-                           max_affinity_wait_s=2.0, affinity=affinity, idle_s=idle_s, switch_cost_s=switch_cost_s)
-        wake = S.next_wakeup_s(queues, max_wait_s=MAX_WAIT_S, max_affinity_wait_s=2.0, switch_cost_s=switch_cost_s)
+        d = scheduling.choose_queue(queues, replicas, max_batch_size=MAX_BATCH, max_wait_s=MAX_WAIT_S,
+                                    max_affinity_wait_s=2.0, affinity=affinity, idle_s=idle_s,
+                                    switch_cost_s=switch_cost_s)
+        wake = scheduling.next_wakeup_s(queues, max_wait_s=MAX_WAIT_S, max_affinity_wait_s=2.0,
+                                        switch_cost_s=switch_cost_s)
         return (None if d is None else (int(d.signature), int(d.replica_id))), (
             None if wake is None else sim.t + wake + 1e-6)
     return decide
@@ -175,6 +190,10 @@ def run(sim: Sim, decide, duration, next_signature, until: float | None = None) 
 
 def lookahead_policy(target_s: float, weight: float, horizon_s: float, futures: int, seed: int,
                      true_future: bool = False):
+    """The rollout policy of the module docstring. What it sees is more than a router could:
+    the running batches' real end times, requests in transit (``HOP_S`` before they arrive),
+    noise-free durations for the batches it simulates; with ``true_future`` the signatures to
+    come. Waiting is simulated up to the next event only (it may re-decide sooner)."""
     rng = random.Random(seed)
     base = choose_queue_policy(True, 0.1)
 
@@ -220,7 +239,7 @@ def simulate(decide, seed: int, rounds: int = 3, noise: float = NOISE) -> tuple[
         run(sim, decide, duration, lambda m: m.sequence[m.sent])
         latencies += sim.latencies
         changes += sim.changes
-        t, states = sim.t, tuple(r[0] for r in sim.replicas)
+        t, states = sim.t, tuple(r.state for r in sim.replicas)
     latencies.sort()
     return 100 * changes / (len(sequence) * rounds), latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
 
@@ -256,7 +275,8 @@ def clairvoyant(bound_s: float, beam: int, rate: float = 0.2, age_weight: float 
                             continue
                         c.advance(t, known)
                         if c.finished():
-                            if best is None or c.changes < best.changes:
+                            within = max(c.latencies) <= bound_s + 1e-9
+                            if within and (best is None or c.changes < best.changes):
                                 best = c
                         elif not doomed(c):
                             children.append(c)
@@ -265,7 +285,8 @@ def clairvoyant(bound_s: float, beam: int, rate: float = 0.2, age_weight: float 
                         stack.append(c)
         unique = {}
         for c in children:
-            key = (round(c.t, 6), c.done, c.changes, tuple((r[0], r[1] and round(r[1], 6)) for r in c.replicas),
+            key = (round(c.t, 6), c.done, c.changes,
+                   tuple((r.state, r.busy_until and round(r.busy_until, 6)) for r in c.replicas),
                    tuple(sorted((s, len(q)) for s, q in c.queues.items())))
             unique.setdefault(key, c)
         layer = sorted(unique.values(), key=lambda c: (
@@ -276,7 +297,8 @@ def clairvoyant(bound_s: float, beam: int, rate: float = 0.2, age_weight: float 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=3, help="noise seeds averaged per policy")
+    ap.add_argument("--seeds", type=int, default=16, help="noise seeds averaged per choose_queue policy")
+    ap.add_argument("--lookahead-seeds", type=int, default=3, help="noise seeds of each lookahead row (slow)")
     ap.add_argument("--switch-costs", type=float, nargs="+", default=[0.1, 0.25])
     ap.add_argument("--target-s", type=float, default=0.6, help="lookahead: latency over this is penalised")
     ap.add_argument("--weights", type=float, nargs="+", default=[5.0, 20.0], help="lookahead: λ per second over")
@@ -285,29 +307,36 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=300)
     ns = ap.parse_args()
 
-    def averaged(make):
-        runs = [simulate(make(seed), seed) for seed in range(ns.seeds)]
-        return statistics.mean(c for c, _ in runs), statistics.mean(p for _, p in runs)
+    def ratios(make, seeds: int):
+        """Mean changes / default and p99 / default over ``seeds`` seeds, each against the
+        default router's run with the same noise, and their (min, max) over the seeds."""
+        runs = [(simulate(make(seed), seed), defaults[seed]) for seed in range(seeds)]
+        changes = [c / dc for (c, _), (dc, _) in runs]
+        p99 = [p / dp for (_, p), (_, dp) in runs]
+        return statistics.mean(changes), (min(changes), max(changes)), statistics.mean(p99), (min(p99), max(p99))
 
-    base_changes, base_p99 = averaged(lambda _: choose_queue_policy(False))
-    print(f"bench/batching.py's mixed workload, simulated ({ns.seeds} noise seeds x 3 rounds of 100 requests)")
-    print(f"  {'default':34s}: {base_changes:5.1f} state changes per 100 requests, p99 {base_p99 * 1e3:.0f} ms")
-    rows = [(f"affinity, switch {c * 1e3:g} ms", lambda _, c=c: choose_queue_policy(True, c)) for c in ns.switch_costs]
-    rows += [(f"lookahead, λ {w:g}/s over {ns.target_s * 1e3:g} ms",
+    defaults = [simulate(choose_queue_policy(False), seed) for seed in range(max(ns.seeds, ns.lookahead_seeds))]
+    print(f"bench/batching.py's mixed workload, simulated (3 rounds of 100 requests per noise seed)")
+    print(f"  {'default':36s}: {statistics.mean(c for c, _ in defaults):5.1f} state changes per 100 requests, "
+          f"p99 {statistics.mean(p for _, p in defaults) * 1e3:.0f} ms")
+    rows = [(f"affinity, switch {c * 1e3:g} ms", ns.seeds, lambda _, c=c: choose_queue_policy(True, c))
+            for c in ns.switch_costs]
+    rows += [(f"lookahead, λ {w:g}/s over {ns.target_s * 1e3:g} ms", ns.lookahead_seeds,
               lambda seed, w=w: lookahead_policy(ns.target_s, w, ns.horizon_s, ns.futures, seed)) for w in ns.weights]
-    rows += [(f"lookahead, true future, λ {w:g}/s",
+    rows += [(f"lookahead, true future, λ {w:g}/s", ns.lookahead_seeds,
               lambda seed, w=w: lookahead_policy(ns.target_s, w, ns.horizon_s, ns.futures, seed, true_future=True))
              for w in ns.weights]
-    for name, make in rows:
-        changes, p99 = averaged(make)
-        print(f"  {name:34s}: changes / default {changes / base_changes:.2f}, p99 / default {p99 / base_p99:.2f}")
+    for name, seeds, make in rows:
+        changes, (c_lo, c_hi), p99, (p_lo, p_hi) = ratios(make, seeds)
+        print(f"  {name:36s}: changes / default {changes:.2f} ({c_lo:.2f}-{c_hi:.2f}), "
+              f"p99 / default {p99:.2f} ({p_lo:.2f}-{p_hi:.2f}), {seeds} seeds")
 
     exact_changes, exact_p99 = simulate(choose_queue_policy(False), 0, rounds=1, noise=0.0)
     best = clairvoyant(1.10 * exact_p99, ns.beam)
     if best is None:
         print("  clairvoyant: no schedule found")
     else:
-        print(f"  {'clairvoyant (offline, noise-free)':34s}: changes / default {best.changes / exact_changes:.2f}, "
+        print(f"  {'clairvoyant (offline, noise-free)':36s}: changes / default {best.changes / exact_changes:.2f}, "
               f"max latency / default p99 {max(best.latencies) / exact_p99:.2f}")
     print("  target: changes / default <= 0.5 at p99 / default <= 1.10")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -71,19 +72,21 @@ def make_runner(model: dict, acceleration: dict, rank: int = 0):
 def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[str]:
     """What the checkpoint's ``transformer/config.json`` alone says ``config`` cannot serve
     (its attention heads, ``pipeline.families.checkpoint_attention_heads``), before anything is
-    loaded; empty when nothing is known yet (a hub id, a config without the key): rank 0 checks
-    the loaded model again in :meth:`RankGroup.join`. ``model``: ``ModelConfig`` as a dict."""
-    from pathlib import Path
-
+    loaded; empty when nothing is known yet (a hub id, not a diffusers directory, a config
+    without the key): rank 0 checks the loaded model again in :meth:`RankGroup.join`.
+    ``model``: ``ModelConfig`` as a dict. Raises ``FileNotFoundError`` for an unknown embedded
+    name without a path (``pipeline.tiny.registry.resolve_checkpoint``)."""
     from pipeline.families import checkpoint_attention_heads
 
-    if model.get("path"):  # a configured checkpoint: no torch import before the ranks start
+    if model.get("path"):  # a configured checkpoint: nothing to import
         checkpoint = Path(model["path"]).expanduser()
     else:  # an embedded tiny model, built on first use (rank 0 would build it now anyway)
         from pipeline.tiny.registry import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(model["name"], None)
-    heads = checkpoint_attention_heads(checkpoint) if checkpoint.is_dir() else None
+    if not (checkpoint / "model_index.json").is_file():
+        return []  # a hub id, or not a diffusers directory: loading says which
+    heads = checkpoint_attention_heads(checkpoint)
     return [] if heads is None else config.startup_problems(num_heads=heads)
 
 
@@ -158,18 +161,15 @@ class RankGroup:
                  rank_resources: dict, name_prefix: str, cpu_nice: int = 0):
         """Create the rank actors (they start loading at once). Raises ``ValueError`` when the
         placement group does not have one bundle per rank, or when the checkpoint's transformer
-        config already rules the layout out (:func:`layout_problems_before_loading`): then no
-        rank starts, and Serve's retries of the constructor each fail in seconds, not after
-        every rank has loaded the model."""
+        config already rules the layout out (:func:`layout_problems_before_loading`, read while
+        the actors start): then they are stopped at once, and each of Serve's retries of the
+        constructor fails in seconds, not after every rank has loaded the model."""
         self.config = ParallelConfig.of(parallel)
         self.rendezvous_timeout_s = float(parallel.get("rendezvous_timeout_s", 600.0))
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.config.world_size:
             raise ValueError(f"world_size={self.config.world_size} needs one placement-group bundle per rank; "
                              f"the replica has {0 if pg is None else len(pg.bundle_specs)}")
-        problems = layout_problems_before_loading(model, self.config)
-        if problems:
-            raise ValueError("bad parallel layout: " + "; ".join(problems))
         self.workers = [
             RankWorker.options(
                 name=f"{name_prefix}-rank{rank}",
@@ -178,6 +178,10 @@ class RankGroup:
             ).remote(rank, model, acceleration, parallel, torch_threads, cpu_nice)
             for rank in range(1, self.config.world_size)
         ]
+        problems = layout_problems_before_loading(model, self.config)
+        if problems:
+            self.kill()
+            raise ValueError("bad parallel layout: " + "; ".join(problems))
         self.runner = None  # rank 0's BatchRunner, once joined
         self.parameter_bytes: list[int] = []  # per rank, once joined
 

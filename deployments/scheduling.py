@@ -38,8 +38,9 @@ Policy (late binding; a batch is formed only when a replica can take it):
    oldest-first with a price on switching. (It replaced waiting for the matching replica up to
    ``max_affinity_wait_ms``, whose idle replicas cost tail latency: on ``bench/batching.py``'s
    mixed workload, 0.47 x the default router's state changes at 1.27-1.72 x its p99 latency,
-   or 0.72 x at 0.86 x; this policy measured 0.52 x at 1.19 x (250 ms) and 0.63 x at 0.94 x
-   (100 ms) on the same 2-core machine.)
+   or 0.72 x at 0.86 x; this policy measured 0.52-0.62 x at 1.05-1.19 x (250 ms) and
+   0.63-0.70 x at 0.93-0.94 x (100 ms) on the same 2-core machine, and ``bench/affinity_sim.py``
+   shows the online policies tried sharing that trade-off.)
    Queues of batch work are considered only when no urgent queue can go, and a free
    replica that batch work would take switches instead for an urgent queue no replica holds.
 """

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.families import REGISTRY, load_family
+from pipeline.families import REGISTRY, checkpoint_attention_heads, load_family
 from pipeline.families.base import Conditioning, ModelFamily
 from pipeline.loop import denoise_batch, plan_batch
 from pipeline.modes import DualMode, GuidanceMode, InputMode
@@ -44,7 +44,7 @@ def family(request):
     return load_family(model.family, model.build(), torch_dtype=torch.float32, device="cpu")
 
 
-def test_members_and_shapes_on_a_batch_of_two(family):
+def test_members_and_shapes_on_a_batch_of_two(family, request):
     assert isinstance(family, ModelFamily)  # every member of the Protocol is present
     assert family.family in REGISTRY and family.pipeline_classes
     assert isinstance(family.dual_mode, DualMode) and isinstance(family.guidance_style, GuidanceMode)
@@ -54,6 +54,10 @@ def test_members_and_shapes_on_a_batch_of_two(family):
     assert all(isinstance(m, torch.nn.Module) for m in family.transformers.values())
     assert family.spatial_factor > 0 and family.temporal_factor >= 0 and family.num_blocks > 0
     assert family.num_attention_heads > 0 and family.max_sequence_length > 0
+    # the startup layout check reads the heads before any rank loads: a family whose config
+    # keeps them under another key would skip that check silently
+    path = EMBEDDED[request.node.callspec.params["family"]].build()
+    assert checkpoint_attention_heads(path) == family.num_attention_heads
     assert (family.boundary_ratio is not None) == (family.dual_mode == DualMode.BOUNDARY)
 
     p = _params(family, "", 1)

@@ -93,8 +93,8 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     handle = serve.get_app_handle("ditserve")
     blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
     wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    stays = {**LONG, "prompt": "stays", "seed": 3, "num_inference_steps": 20}
-    leaving = handle.generate.remote({**stays, "prompt": "leaves", "seed": 4})
+    stays = {**LONG, "prompt": "stays", "seed": 3}
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
     staying = handle.generate.remote(stays)
     wait_until(lambda: router_stats(url)["queued"] == 2)
     blocker.result(timeout_s=600)
@@ -104,7 +104,7 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     answer = staying.result(timeout_s=600)
     counters = router_stats(url)["counters"]
     assert counters.get("cancelled_running_requests") == 1 and counters.get("cancelled_running", 0) == 0
-    assert 0 < counters["sample_steps_saved"] < 20
+    assert 0 < counters["sample_steps_saved"] < 40
     assert answer.ditserve.batch_size == 2
     alone = post(url, stays, timeout=600)
     assert alone.json()["ditserve"]["batch_size"] == 1

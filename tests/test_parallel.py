@@ -47,6 +47,12 @@ def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "SomeTransformer"}')
     assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
     assert layout_problems_before_loading({"name": "hub", "path": "org/model-id"}, ParallelConfig(3, 1)) == []
+    (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 4,')  # unreadable
+    assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
+    (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 4}')
+    assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1))
+    (tmp_path / "model_index.json").unlink()  # not a diffusers directory: loading says so, not this check
+    assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
     from pipeline.tiny.registry import TRAINED_TINY_FLUX
 
     assert layout_problems_before_loading({"name": "mine", "path": str(TRAINED_TINY_FLUX)}, ParallelConfig(3, 1)) == [

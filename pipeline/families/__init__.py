@@ -67,10 +67,13 @@ HEADS_CONFIG_KEYS = ("num_attention_heads", "n_heads")
 
 def checkpoint_attention_heads(path: str | Path) -> int | None:
     """Attention heads per layer of the ``transformer`` of the diffusers directory ``path``,
-    read from its ``transformer/config.json`` without loading anything (None when that file or
-    key is missing: the loaded family's ``num_attention_heads`` decides then)."""
+    read from its ``transformer/config.json`` without loading anything (None when that file,
+    or an integer under one of ``HEADS_CONFIG_KEYS``, is missing or unreadable: the loaded
+    family's ``num_attention_heads`` decides then, and loading names what is wrong)."""
     config = Path(path) / "transformer" / "config.json"
-    if not config.exists():
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
         return None
-    values = json.loads(config.read_text())
-    return next((int(values[key]) for key in HEADS_CONFIG_KEYS if key in values), None)
+    heads = next((values[key] for key in HEADS_CONFIG_KEYS if isinstance(values, dict) and key in values), None)
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) else None
