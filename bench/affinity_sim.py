@@ -10,7 +10,7 @@ holds its replica ``F + k·(A + C·b) + D·b`` seconds, ±``NOISE`` uniform. The
 least-squares fit to 115 batches of the default router on the bench's workload on the 2-core
 development machine (denoise + decode ms by steps and batch size, plus the replica's other work
 per batch, 51 ms median; ~40 ms median for the HTTP round trip): with them the model's default
-router makes 48 state changes per 100 requests at a p99 of 0.75 s, as measured (47.7, 0.76 s).
+router makes ~47 state changes per 100 requests at a p99 of 0.75 s, as measured (47.7, 0.76 s).
 
 Policies, each printed as (state changes / default's, p99 latency / default's):
 
