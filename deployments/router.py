@@ -26,6 +26,7 @@ from typing import Callable
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.metrics import Counter, Gauge, Histogram
+from ray.serve.schema import ApplicationStatus
 
 from deployments.config import BatchingConfig
 from deployments.jobs import JobStore, VideoJobs
@@ -279,12 +280,16 @@ class Router:
         whole lease, the Router is the one cut off: Serve stops routing to a replica it is
         stopping (``serve.delete``, a redeploy) before its graceful shutdown, and that shutdown
         lets the running batch finish; expiring every lease then would turn it into a 503.
+        Cut off while its app is being deleted (:meth:`_answer_queued_if_deleted`), its queued
+        requests are answered 503 at once instead of when the shutdown's timeout kills it.
         The cost: the requests of a sole Ingress replica that died stay until its replacement
         (or any other caller) renews."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             if now - self._reached > CALLER_LEASE_S:
+                if self._queued:
+                    await self._answer_queued_if_deleted()
                 continue
             gone = {c for c, renewed in self._leases.items() if now - renewed > CALLER_LEASE_S}
             if not gone:
@@ -301,6 +306,31 @@ class Router:
             if orphans:
                 logger.warning("callers %s stopped renewing their lease: %d requests dropped", sorted(gone),
                                len(orphans))
+
+    async def _answer_queued_if_deleted(self) -> None:
+        """When this Router's app is being deleted (``serve.status()``: ``DELETING``), answer
+        every queued request 503 ``unavailable``: its replicas are stopping and will take no new
+        batch. Running batches still finish. Asked only while the Router is cut off with work
+        queued (at most once a second); a failed status query changes nothing."""
+        try:
+            status = await asyncio.to_thread(serve.status)
+            deleting = status.applications[self._replica.app_name].status == ApplicationStatus.DELETING
+        except Exception as exc:  # the controller is busy or going: the shutdown's timeout still answers
+            logger.debug("app status unavailable while cut off: %s", exc)
+            return
+        if not deleting:
+            return
+        queued = [p for q in self._queues.values() for p in q]
+        for p in queued:
+            self._forget(p)
+            if not p.future.done():
+                self._reject("app_deleted")
+                p.future.set_exception(ServiceUnavailableError(
+                    "the server is shutting down (its app is being deleted) before this request ran; retry "
+                    "once it is deployed again", code="unavailable", request_id=p.params.request_id))
+        if queued:
+            logger.warning("app %s is being deleted: %d queued requests answered 503", self._replica.app_name,
+                           len(queued))
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or

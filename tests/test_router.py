@@ -239,10 +239,10 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
 
 def test_shutdown_answers_every_queued_request(deploy):
     """Each request accepted before the app is deleted gets exactly one answer: the running
-    batch's image, and for the queued ones a 503 in OpenAI's envelope (the Ingress answers for
-    the stopped Router). The running batch outlasts the callers' lease (5 s, which nobody can
-    renew with a Router that Serve has stopped routing to): it still finishes (CI's slower
-    machine once turned it into a 503)."""
+    batch's image, and for the queued ones a 503 in OpenAI's envelope, from the Router once it
+    sees its app deleting (not when its graceful shutdown times out, 35 s later). The running
+    batch outlasts the callers' lease (5 s, which nobody can renew with a Router that Serve has
+    stopped routing to): it still finishes (CI's slower machine once turned it into a 503)."""
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
                                               "graceful_shutdown_timeout_s": 30},
                   "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
@@ -260,6 +260,7 @@ def test_shutdown_answers_every_queued_request(deploy):
         except ServiceUnavailableError as exc:
             assert exc.status_code == 503 and exc.code == "unavailable", exc.to_envelope()
             assert exc.to_envelope()["error"]["type"] == "server_error"
+            assert "its app is being deleted" in exc.to_envelope()["error"]["message"]
             outcomes.append("503")
         else:
             assert isinstance(result, ImageGenerationResponse) and len(result.data) == 1
