@@ -4,7 +4,8 @@ It decides what runs next and never touches a tensor (it imports no torch). Batc
 only when a replica can take one (late binding); which queue is cut is
 ``deployments.scheduling``'s pure decision (readiness, state affinity, starvation bound). Every
 accepted request gets exactly one answer: its output, or an error (failed batch, deadline); if
-the Router itself stops or dies first, the Ingress answers for it (503 ``unavailable``). One
+the Router itself stops or dies first, the Ingress answers for it (503 ``unavailable``; when its
+app is being deleted, the Router answers its queued requests so itself at once). One
 admission check (:meth:`Router._admit`) serves image requests and video jobs.
 """
 
@@ -52,6 +53,8 @@ MAX_REQUEUES = 2
 # A caller (an Ingress replica) renews its lease every second while it lives; its requests are
 # dropped (queued) or cancelled (running) once its lease is this old: it died with them.
 CALLER_LEASE_S = 5.0
+# Longest wait for the controller's app status (Router._answer_queued_if_deleted).
+STATUS_TIMEOUT_S = 2.0
 
 
 @dataclass(eq=False)
@@ -103,6 +106,8 @@ class Router:
         self._callers_changed: dict[str, asyncio.Event] = {}  # batch_id -> set when one of its callers left
         self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
         self._reached = time.monotonic()  # when a caller last reached this Router (submit or renewal)
+        self._saw_replicas = False  # the replica set has been known (non-empty) at least once
+        self._deleting = False  # its app read DELETING: nothing more is dispatched
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -280,16 +285,19 @@ class Router:
         whole lease, the Router is the one cut off: Serve stops routing to a replica it is
         stopping (``serve.delete``, a redeploy) before its graceful shutdown, and that shutdown
         lets the running batch finish; expiring every lease then would turn it into a 503.
-        Cut off while its app is being deleted (:meth:`_answer_queued_if_deleted`), its queued
-        requests are answered 503 at once instead of when the shutdown's timeout kills it.
+        With work queued while cut off, or while the replica set it knew is empty (a delete
+        stops every replica at once; so does a lone replica's death, until its replacement), it
+        asks whether its app is being deleted (:meth:`_answer_queued_if_deleted`): then its
+        queued requests are answered 503 at once instead of when the shutdown's timeout kills it.
         The cost: the requests of a sole Ingress replica that died stay until its replacement
         (or any other caller) renews."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            if now - self._reached > CALLER_LEASE_S:
-                if self._queued:
-                    await self._answer_queued_if_deleted()
+            cut_off = now - self._reached > CALLER_LEASE_S
+            if self._queued and (cut_off or (self._saw_replicas and self._replica_views() is None)):
+                await self._answer_queued_if_deleted()
+            if cut_off:
                 continue
             gone = {c for c, renewed in self._leases.items() if now - renewed > CALLER_LEASE_S}
             if not gone:
@@ -308,17 +316,19 @@ class Router:
                                len(orphans))
 
     async def _answer_queued_if_deleted(self) -> None:
-        """When this Router's app is being deleted (``serve.status()``: ``DELETING``), answer
-        every queued request 503 ``unavailable``: its replicas are stopping and will take no new
-        batch. Running batches still finish. Asked only while the Router is cut off with work
-        queued (at most once a second); a failed status query changes nothing."""
+        """When this Router's app is being deleted (``serve.status()``: ``DELETING``; also
+        ``serve shutdown`` and a config that drops the app), stop dispatching and answer every
+        queued request 503 ``unavailable``: its replicas are stopping and will take no new batch.
+        Running batches still finish. Asked at most once a second, only in the states
+        :meth:`_expire_callers` names; a status query that fails or takes over
+        ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's timeout still answers)."""
         try:
-            status = await asyncio.to_thread(serve.status)
-            deleting = status.applications[self._replica.app_name].status == ApplicationStatus.DELETING
-        except Exception as exc:  # the controller is busy or going: the shutdown's timeout still answers
-            logger.debug("app status unavailable while cut off: %s", exc)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+            self._deleting = status.applications[self._replica.app_name].status == ApplicationStatus.DELETING
+        except Exception as exc:  # the controller is busy or going
+            logger.debug("app status unavailable: %s", exc)
             return
-        if not deleting:
+        if not self._deleting:
             return
         queued = [p for q in self._queues.values() for p in q]
         for p in queued:
@@ -363,6 +373,7 @@ class Router:
     def _replica_views(self) -> list[ReplicaView] | None:
         chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
         views = chooser.replica_views() if chooser is not None else []
+        self._saw_replicas = self._saw_replicas or bool(views)
         return views or None
 
     def _urgent(self, pending: _Pending, now: float) -> bool:
@@ -417,7 +428,7 @@ class Router:
                 affinity=self._affinity, idle_s=None if self._idle_since is None else now - self._idle_since,
                 switch_cost_s=self._switch_cost_s,
             ) if queues else None
-            if decision is not None and self._inflight < len(replicas):
+            if decision is not None and self._inflight < len(replicas) and not self._deleting:
                 self._counters[f"routing_{decision.reason}"] += 1
                 self._metric_routing.inc(tags={"decision": decision.reason.value})
                 self._inflight += 1
