@@ -51,15 +51,18 @@ class OpsCluster:
 
 
 def _own_pids(tmp: Path, pgid: int) -> list[int]:
-    """Processes of this test's cluster: in the head's process group, or naming its temp dir."""
+    """Processes of this test's cluster still running: in the head's process group, or naming
+    its temp dir (zombies are done: they only wait for their parent to reap them)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            if (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                continue
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             in_group = os.getpgid(int(entry.name)) == pgid
-        except (OSError, ProcessLookupError):
+        except (OSError, ProcessLookupError, IndexError):
             continue
         if in_group or str(tmp) in cmdline:
             pids.append(int(entry.name))
@@ -76,6 +79,7 @@ def _stop(head: subprocess.Popen, tmp: Path) -> None:
                 pass
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and _own_pids(tmp, head.pid):
+            head.poll()  # reaps `ray start` once it exits
             time.sleep(0.5)
         if head.poll() is None:
             try:
