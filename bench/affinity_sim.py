@@ -24,6 +24,9 @@ Policies, each printed as (state changes / default's, p99 latency / default's):
   of the latencies and waits; it knows more than a router would (:func:`lookahead_policy`).
   ``lookahead, true future``: the same, its rollouts seeing the signatures that will really
   come (no router can).
+- ``hindsight`` (with ``--hindsight-seeds N``; slow): an online search of whole schedules
+  over sampled futures (:func:`hindsight_policy`): per action and sampled future, a beam
+  search ``--hindsight-horizon-s`` ahead instead of one base policy's continuation.
 - ``clairvoyant``: an offline beam search (``--beam`` schedules kept per decision) over the same
   actions, knowing every signature in advance and every duration (noise-free), with every
   latency at most 1.10x the noise-free default's p99 (one round: its p99 is its maximum). A
@@ -32,7 +35,7 @@ Policies, each printed as (state changes / default's, p99 latency / default's):
 Each ratio is against the default router's run with the same noise seed; the range over the
 seeds follows it (p99 of 300 latencies is their 3rd largest: a few requests move it).
 
-    .venv/bin/python bench/affinity_sim.py [--seeds 16] [--lookahead-seeds 3] [--beam 300]
+    .venv/bin/python bench/affinity_sim.py [--seeds 16] [--lookahead-seeds 3] [--beam 300] [--hindsight-seeds 0]
 
 No Ray, no model, one core: about a minute.
 """
@@ -244,6 +247,42 @@ def simulate(decide, seed: int, rounds: int = 3, noise: float = NOISE) -> tuple[
     return 100 * changes / (len(sequence) * rounds), latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
 
 
+def _successors(node: Sim, coming, stop_s: float | None = None):
+    """Every schedule reachable from ``node`` by a sequence of dispatches now and then waiting
+    for the next event, as ``(schedule, ended)``: ``ended`` when the round is over or (with
+    ``stop_s``) the next event comes after ``stop_s`` (the schedule is then left at ``stop_s``).
+    Batches take their noise-free durations."""
+    stack = [node]
+    while stack:
+        m = stack.pop()
+        for action in m.actions():
+            c = m.copy()
+            if action is None:
+                t = c.next_event()
+                if t is None:
+                    continue
+                if stop_s is not None and t > stop_s:
+                    c.t = stop_s
+                    yield c, True
+                    continue
+                c.advance(t, coming)
+                yield c, c.finished()
+            else:
+                c.dispatch(*action, batch_s(action[0], min(MAX_BATCH, len(c.queues[action[0]]))))
+                stack.append(c)
+
+
+def _distinct(schedules: list[Sim]) -> list[Sim]:
+    """One schedule per (time, answered, changes, replicas, queue lengths)."""
+    unique = {}
+    for c in schedules:
+        key = (round(c.t, 6), c.done, c.changes,
+               tuple((r.state, r.busy_until and round(r.busy_until, 6)) for r in c.replicas),
+               tuple(sorted((s, len(q)) for s, q in c.queues.items())))
+        unique.setdefault(key, c)
+    return list(unique.values())
+
+
 def clairvoyant(bound_s: float, beam: int, rate: float = 0.2, age_weight: float = 2.0,
                 age_free_s: float = 0.1) -> Sim | None:
     """Fewest state changes found for one noise-free round with every latency <= ``bound_s``.
@@ -264,35 +303,79 @@ def clairvoyant(bound_s: float, beam: int, rate: float = 0.2, age_weight: float 
     while layer:
         children = []
         for node in layer:
-            stack = [node]
-            while stack:  # every sequence of dispatches at this instant, then wait for the next event
-                m = stack.pop()
-                for action in m.actions():
-                    c = m.copy()
-                    if action is None:
-                        t = c.next_event()
-                        if t is None:
-                            continue
-                        c.advance(t, known)
-                        if c.finished():
-                            within = max(c.latencies) <= bound_s + 1e-9
-                            if within and (best is None or c.changes < best.changes):
-                                best = c
-                        elif not doomed(c):
-                            children.append(c)
-                    else:
-                        c.dispatch(*action, batch_s(action[0], min(MAX_BATCH, len(c.queues[action[0]]))))
-                        stack.append(c)
-        unique = {}
-        for c in children:
-            key = (round(c.t, 6), c.done, c.changes,
-                   tuple((r.state, r.busy_until and round(r.busy_until, 6)) for r in c.replicas),
-                   tuple(sorted((s, len(q)) for s, q in c.queues.items())))
-            unique.setdefault(key, c)
-        layer = sorted(unique.values(), key=lambda c: (
+            for c, ended in _successors(node, known):
+                if ended:
+                    if max(c.latencies) <= bound_s + 1e-9 and (best is None or c.changes < best.changes):
+                        best = c
+                elif not doomed(c):
+                    children.append(c)
+        layer = sorted(_distinct(children), key=lambda c: (
             c.changes - rate * c.done + age_weight * sum(max(0.0, c.t - sent - age_free_s)
                                                          for q in c.queues.values() for _, sent in q), c.t))[:beam]
     return best
+
+
+def hindsight_policy(target_s: float, weight: float, horizon_s: float, beam: int, futures: int, seed: int):
+    """Hindsight optimisation (Chong, Givan & Chang, *A Framework for Simulation-based Network
+    Control via Hindsight Optimization*, 2000): at every decision, for each possible action and
+    each of ``futures`` sampled futures (new requests' signatures drawn uniformly, the same
+    futures for every action), a beam search (``beam`` schedules) ``horizon_s`` ahead finds the
+    best continuation knowing that future; the action of least mean ``changes + λ · Σ s over
+    target_s`` goes. An online policy (it knows no real future) that searches whole schedules,
+    not one base policy's continuation as ``lookahead`` does; it also sees what ``lookahead``
+    sees beyond a router."""
+    rng = random.Random(seed)
+    base = choose_queue_policy(True, 0.1)
+
+    def score(m: Sim) -> float:
+        waiting = [m.t - sent for q in m.queues.values() for _, sent in q]
+        return m.changes + weight * sum(max(0.0, x - target_s) for x in m.latencies + waiting)
+
+    def best_continuation(m: Sim, coming) -> float:
+        stop_s, layer, best = m.t + horizon_s, [m], float("inf")
+        while layer:
+            children = []
+            for node in layer:
+                for c, ended in _successors(node, coming, stop_s):
+                    if ended:
+                        best = min(best, score(c))
+                    else:
+                        children.append(c)
+            layer = sorted(_distinct(children), key=score)[:beam]
+        return best
+
+    def sampled_future(draw: float):
+        """Signatures of the requests to come, drawn once each (the same for every action)."""
+        future, drawn = random.Random(draw), {}
+
+        def coming(m: Sim) -> int:
+            if m.sent not in drawn:  # requests are sent in order: the k-th draw is request k's
+                drawn[m.sent] = future.choice(SIGNATURES)
+            return drawn[m.sent]
+        return coming
+
+    def decide(sim: Sim):
+        actions = sim.actions()
+        _, wake = base(sim)
+        if len(actions) == 1:
+            return actions[0], wake
+        draws = [rng.random() for _ in range(futures)]
+        best, best_score = None, None
+        for action in [a for a in actions if a is not None] + [None] * (None in actions):  # ties: dispatch
+            total = 0.0
+            for draw in draws:
+                coming = sampled_future(draw)
+                m = sim.copy()
+                m.latencies = []
+                if action is None:
+                    m.advance(m.next_event(), coming)
+                else:
+                    m.dispatch(*action, batch_s(action[0], min(MAX_BATCH, len(m.queues[action[0]]))))
+                total += best_continuation(m, coming)
+            if best_score is None or total < best_score - 1e-9:
+                best, best_score = action, total
+        return best, wake
+    return decide
 
 
 def main() -> None:
@@ -305,6 +388,11 @@ def main() -> None:
     ap.add_argument("--horizon-s", type=float, default=1.5)
     ap.add_argument("--futures", type=int, default=6)
     ap.add_argument("--beam", type=int, default=300)
+    ap.add_argument("--hindsight-seeds", type=int, default=0,
+                    help="noise seeds of each hindsight row (about 1 min per seed and weight; 0: no rows)")
+    ap.add_argument("--hindsight-beam", type=int, default=10)
+    ap.add_argument("--hindsight-horizon-s", type=float, default=1.0)
+    ap.add_argument("--hindsight-futures", type=int, default=4)
     ns = ap.parse_args()
 
     def ratios(make, seeds: int):
@@ -315,7 +403,8 @@ def main() -> None:
         p99 = [p / dp for (_, p), (_, dp) in runs]
         return statistics.mean(changes), (min(changes), max(changes)), statistics.mean(p99), (min(p99), max(p99))
 
-    defaults = [simulate(choose_queue_policy(False), seed) for seed in range(max(ns.seeds, ns.lookahead_seeds))]
+    defaults = [simulate(choose_queue_policy(False), seed)
+                for seed in range(max(ns.seeds, ns.lookahead_seeds, ns.hindsight_seeds))]
     print(f"bench/batching.py's mixed workload, simulated (3 rounds of 100 requests per noise seed)")
     print(f"  {'default':36s}: {statistics.mean(c for c, _ in defaults):5.1f} state changes per 100 requests, "
           f"p99 {statistics.mean(p for _, p in defaults) * 1e3:.0f} ms")
@@ -326,6 +415,10 @@ def main() -> None:
     rows += [(f"lookahead, true future, λ {w:g}/s", ns.lookahead_seeds,
               lambda seed, w=w: lookahead_policy(ns.target_s, w, ns.horizon_s, ns.futures, seed, true_future=True))
              for w in ns.weights]
+    if ns.hindsight_seeds:
+        rows += [(f"hindsight, λ {w:g}/s over {ns.target_s * 1e3:g} ms", ns.hindsight_seeds,
+                  lambda seed, w=w: hindsight_policy(ns.target_s, w, ns.hindsight_horizon_s, ns.hindsight_beam,
+                                                     ns.hindsight_futures, seed)) for w in ns.weights]
     for name, seeds, make in rows:
         changes, (c_lo, c_hi), p99, (p_lo, p_hi) = ratios(make, seeds)
         print(f"  {name:36s}: changes / default {changes:.2f} ({c_lo:.2f}-{c_hi:.2f}), "
