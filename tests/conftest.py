@@ -31,8 +31,16 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _replicas(args: dict):
-    return (args.get("replica") or {}).get("num_replicas", 1)
+def _replicas(args: dict) -> int:
+    """DiTReplica replicas the app starts with (``num_replicas``, or autoscaling's initial count)."""
+    from pydantic import ValidationError
+
+    from deployments.config import AppConfig
+
+    try:
+        return AppConfig.model_validate(args).replica.initial_replicas
+    except ValidationError:  # a test of a bad config: serve.run is to refuse it
+        return 1
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,8 @@ def _own_pids(tmp: Path, pgid: int) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z":
+            zombie = (entry / "stat").read_bytes().rpartition(b")")[2].split()[0] == b"Z"
+            if zombie and len(os.listdir(entry / "task")) == 1:  # (a live thread group shows Z after its leader exits)
                 continue
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             in_group = os.getpgid(int(entry.name)) == pgid
