@@ -132,6 +132,10 @@ class Sim:
         r.state, r.busy_until, r.members = signature, self.t + duration_s, tuple(sent for _, sent in cut)
         self.idle_since = None
 
+    def next_batch_s(self, signature: int) -> float:
+        """Noise-free duration (s) of the batch ``signature``'s queue would make now."""
+        return batch_s(signature, min(MAX_BATCH, len(self.queues[signature])))
+
     def actions(self) -> list:
         """Every distinct dispatch (signature, free replica) now, and None (wait for the next event)."""
         free = [i for i, r in enumerate(self.replicas) if r.busy_until is None]
@@ -201,7 +205,7 @@ def lookahead_policy(target_s: float, weight: float, horizon_s: float, futures: 
     base = choose_queue_policy(True, 0.1)
 
     def exact(signature, replica, sim):
-        return batch_s(signature, min(MAX_BATCH, len(sim.queues[signature])))
+        return sim.next_batch_s(signature)
 
     def decide(sim: Sim):
         actions = sim.actions()
@@ -235,7 +239,7 @@ def lookahead_policy(target_s: float, weight: float, horizon_s: float, futures: 
 def simulate(decide, seed: int, rounds: int = 3, noise: float = NOISE) -> tuple[float, float]:
     """(state changes per 100 requests, p99 latency s) over ``rounds`` rounds of the workload."""
     sequence, rng = workload(), random.Random(seed)
-    duration = (lambda s, i, sim: batch_s(s, min(MAX_BATCH, len(sim.queues[s]))) * (1 + rng.uniform(-noise, noise)))
+    duration = (lambda s, i, sim: sim.next_batch_s(s) * (1 + rng.uniform(-noise, noise)))
     latencies, changes, t, states = [], 0, 0.0, (None,) * REPLICAS
     for _ in range(rounds):
         sim = Sim(sequence, t, states)
@@ -268,7 +272,7 @@ def _successors(node: Sim, coming, stop_s: float | None = None):
                 c.advance(t, coming)
                 yield c, c.finished()
             else:
-                c.dispatch(*action, batch_s(action[0], min(MAX_BATCH, len(c.queues[action[0]]))))
+                c.dispatch(*action, c.next_batch_s(action[0]))
                 stack.append(c)
 
 
@@ -371,7 +375,7 @@ def hindsight_policy(target_s: float, weight: float, horizon_s: float, beam: int
                 if action is None:
                     m.advance(m.next_event(), coming)
                 else:
-                    m.dispatch(*action, batch_s(action[0], min(MAX_BATCH, len(m.queues[action[0]]))))
+                    m.dispatch(*action, m.next_batch_s(action[0]))
                 total += best_continuation(m, coming, max(sim.t + horizon_s, m.t))  # one window for every action
             if best_score is None or total < best_score - 1e-9:
                 best, best_score = action, total
