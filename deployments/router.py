@@ -416,7 +416,12 @@ class Router:
             queues = self._queue_views(now)
             replicas = self._replica_views()
             known = replicas is not None
-            if not known:  # replica set not known yet: one batch per configured replica
+            if not known and self._saw_replicas:
+                # every replica it knew is gone (the app is being deleted, or their replacements are
+                # starting): hold the queues, so a batch is not left waiting in the handle for a
+                # replica that may never come (a delete answers them 503, _answer_queued_if_deleted)
+                replicas = []
+            elif not known:  # replica set not known yet (start-up): one batch per configured replica
                 replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(self._capacity)]
             else:  # a batch counts against its replica from dispatch on, before Serve routes it
                 claimed = set(self._claims.values())

@@ -242,14 +242,19 @@ def test_shutdown_answers_every_queued_request(deploy):
     batch's image, and for the queued ones a 503 in OpenAI's envelope, from the Router once it
     sees its app deleting (not when its graceful shutdown times out, 35 s later). The running
     batch outlasts the callers' lease (5 s, which nobody can renew with a Router that Serve has
-    stopped routing to): it still finishes (CI's slower machine once turned it into a 503)."""
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
-                                              "graceful_shutdown_timeout_s": 30},
+    stopped routing to): it still finishes (CI's slower machine once turned it into a 503).
+    The queued requests wait for the busy replica that holds their state while the other one
+    is free: when the delete empties the replica set, the Router must not send them off blind
+    (they waited in the handle for a replica that never came, until the Ingress was stopped)."""
+    slow = {**SLOW, "num_inference_steps": 180}  # ~9 s
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 30},
+                  "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 60_000,
+                               "max_affinity_wait_ms": 60_000},
                   "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
-    busy = handle.generate.remote({"prompt": "busy", "seed": 0, **SLOW, "num_inference_steps": 180})  # ~9 s
+    busy = handle.generate.remote({"prompt": "busy", "seed": 0, **slow})
     wait_until(lambda: stats(url)["inflight_batches"] == 1)
-    responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
+    responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **slow}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
     deleting = threading.Thread(target=serve.delete, args=("ditserve",))
     deleting.start()
@@ -289,24 +294,26 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
         serve.delete("ditserve")
     url = ray_cluster["url"]
-    _deploy_config(one, small["batching"])
-    before = stats(url)
-    assert before["max_batch_size"] == 1
-    with ThreadPoolExecutor(6) as pool:
-        sizes = [r.json()["ditserve"]["batch_size"]
-                 for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
-    assert max(sizes) == 1
-    replicas_before = set(stats(url)["replicas"])
-    _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
-    wait_until(lambda: stats(url)["max_batch_size"] == 8, timeout=60)
-    after = stats(url)
-    assert after["router_replica"] == before["router_replica"] and after["max_batch_size"] == 8
-    with ThreadPoolExecutor(8) as pool:
-        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
-        wait_until(lambda: stats(url)["inflight_batches"] == 1)
-        metas = [r.json()["ditserve"] for r in pool.map(lambda i: post(url, {"prompt": f"q{i}", "seed": i, **FAST}),
-                                                          range(6))]
-        busy.result()
-    assert max(m["batch_size"] for m in metas) > 1
-    assert {m["replica"] for m in metas} <= replicas_before  # the DiTReplica was not restarted either
-    serve.delete("ditserve")  # the next test deploys afresh
+    try:
+        _deploy_config(one, small["batching"])
+        before = stats(url)
+        assert before["max_batch_size"] == 1
+        with ThreadPoolExecutor(6) as pool:
+            sizes = [r.json()["ditserve"]["batch_size"]
+                     for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
+        assert max(sizes) == 1
+        replicas_before = set(stats(url)["replicas"])
+        _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
+        wait_until(lambda: stats(url)["max_batch_size"] == 8, timeout=60)
+        after = stats(url)
+        assert after["router_replica"] == before["router_replica"] and after["max_batch_size"] == 8
+        with ThreadPoolExecutor(8) as pool:
+            busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
+            wait_until(lambda: stats(url)["inflight_batches"] == 1)
+            metas = [r.json()["ditserve"] for r in pool.map(lambda i: post(url, {"prompt": f"q{i}", "seed": i, **FAST}),
+                                                              range(6))]
+            busy.result()
+        assert max(m["batch_size"] for m in metas) > 1
+        assert {m["replica"] for m in metas} <= replicas_before  # the DiTReplica was not restarted either
+    finally:
+        serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
