@@ -27,6 +27,11 @@ Policies, each printed as (state changes / default's, p99 latency / default's):
 - ``hindsight`` (with ``--hindsight-seeds N``; slow): an online search of whole schedules
   over sampled futures (:func:`hindsight_policy`): per action and sampled future, a beam
   search ``--hindsight-horizon-s`` ahead instead of one base policy's continuation.
+- ``tuned by policy search``: random search (``--search-candidates``) over a five-parameter
+  generalisation of the router's rule (:func:`tuned_policy`: a bonus per batched image, a
+  separate price on taking a busy replica's state, a margin on misses, an idle hold), the
+  candidate of fewest changes at p99 / default <= ``--search-bound`` on train seeds,
+  re-measured on held-out seeds (:func:`policy_search`).
 - ``clairvoyant``: an offline beam search (``--beam`` schedules kept per decision) over the same
   actions, knowing every signature in advance and every duration (noise-free), with every
   latency at most 1.10x the noise-free default's p99 (one round: its p99 is its maximum). A
@@ -36,8 +41,9 @@ Each ratio is against the default router's run with the same noise seed; the ran
 seeds follows it (p99 of 300 latencies is their 3rd largest: a few requests move it).
 
     .venv/bin/python bench/affinity_sim.py [--seeds 16] [--lookahead-seeds 3] [--beam 300] [--hindsight-seeds 0]
+        [--search-candidates 500]
 
-No Ray, no model, one core: about a minute.
+No Ray, no model, one core: about two minutes.
 """
 
 from __future__ import annotations
@@ -383,11 +389,99 @@ def hindsight_policy(target_s: float, weight: float, horizon_s: float, beam: int
     return decide
 
 
+TUNED_RANGES = {  # s: the box the policy search draws each parameter of tuned_policy from
+    "switch_cost_s": (0.0, 0.6), "batch_weight_s": (-0.1, 0.3), "busy_cost_s": (-0.2, 0.6),
+    "margin_s": (-0.2, 0.3), "hold_s": (0.0, 0.4)}
+
+
+def tuned_policy(switch_cost_s: float, batch_weight_s: float, busy_cost_s: float, margin_s: float,
+                 hold_s: float):
+    """A five-parameter generalisation of the router's rule 3 (``choose_queue`` with affinity
+    is ``batch_weight_s = margin_s = hold_s = 0``, ``busy_cost_s = switch_cost_s``), for the
+    policy search: a (ready queue, free replica) pair is worth the head's wait plus
+    ``batch_weight_s`` per image beyond the first it would batch, plus ``switch_cost_s`` on a
+    hit, less ``busy_cost_s`` when a busy replica holds the queue's state (and then only while
+    positive). A miss must beat the replica's own queue's worth by ``margin_s``; a replica
+    whose own queue is empty does not switch for a queue younger than ``hold_s`` that is not
+    full. Heads older than ``max_affinity_wait_ms`` (2 s) go first, as in the router."""
+    def worth(q: scheduling.QueueView) -> float:
+        return q.head_age_s + batch_weight_s * (min(q.images, MAX_BATCH) - 1)
+
+    def decide(sim: Sim):
+        queues, replicas = sim.views()
+        idle_s = sim.t - sim.idle_since if sim.idle_since is not None else None
+        ready = [q for q in queues if scheduling.is_ready(q, max_batch_size=MAX_BATCH, max_wait_s=MAX_WAIT_S,
+                                                          max_batch_cost=None, idle_s=idle_s)]
+        free = [r for r in replicas if not r.busy]
+        by_state = {q.signature: q for q in queues}
+        held_busy = {r.last_signature for r in replicas if r.busy}
+        waits = [MAX_WAIT_S - q.head_age_s for q in queues if q not in ready]  # till ready
+        waits += [hold_s - q.head_age_s for q in ready]  # till past the hold
+        waits += [busy_cost_s - worth(q) for q in ready if q.signature in held_busy]  # till worth a switch
+        positive = [w for w in waits if w > 1e-9]
+        wake = sim.t + min(positive) + 1e-6 if positive else None
+        if not free or not ready:
+            return None, wake
+        oldest = max(ready, key=lambda q: q.head_age_s)
+        if oldest.head_age_s >= 2.0:
+            r = next((r for r in free if r.last_signature == oldest.signature), free[0])
+            return (int(oldest.signature), int(r.replica_id)), wake
+        best, best_key = None, None
+        for q in ready:
+            for r in free:
+                if r.last_signature == q.signature:
+                    value = worth(q) + switch_cost_s
+                else:
+                    value = worth(q) - (busy_cost_s if q.signature in held_busy else 0.0)
+                    own = by_state.get(r.last_signature)
+                    if q.signature in held_busy and value <= 0:
+                        continue
+                    if own is not None and value <= worth(own) + switch_cost_s + margin_s:
+                        continue
+                    if own is None and r.last_signature is not None and q.head_age_s < hold_s \
+                            and q.images < MAX_BATCH:
+                        continue
+                key = (value, r.last_signature == q.signature)
+                if best_key is None or key > best_key:
+                    best, best_key = (int(q.signature), int(r.replica_id)), key
+        return best, wake
+    return decide
+
+
+def policy_search(candidates: int, train_seeds: int, test_seeds: int, bound: float, seed: int = 0):
+    """Direct policy search (random search, Bergstra & Bengio, *Random Search for Hyper-Parameter
+    Optimization*, JMLR 2012) over :func:`tuned_policy`'s parameters drawn uniformly from
+    ``TUNED_RANGES``: the candidate of fewest mean changes / default at a mean p99 / default
+    <= ``bound`` on noise seeds ``0..train_seeds-1``, then re-measured on ``test_seeds`` other
+    seeds (1000 on): (parameters, train ratios, held-out ratios), or None when none fits."""
+    rng = random.Random(seed)
+
+    defaults: dict[int, tuple[float, float]] = {}
+
+    def measure(params: dict, seeds: range) -> tuple[float, float]:
+        for s in seeds:
+            if s not in defaults:
+                defaults[s] = simulate(choose_queue_policy(False), s)
+        runs = [(simulate(tuned_policy(**params), s), defaults[s]) for s in seeds]
+        return (statistics.mean(c / dc for (c, _), (dc, _) in runs),
+                statistics.mean(p / dp for (_, p), (_, dp) in runs))
+
+    best = None
+    for _ in range(candidates):
+        params = {name: rng.uniform(lo, hi) for name, (lo, hi) in TUNED_RANGES.items()}
+        changes, p99 = measure(params, range(train_seeds))
+        if p99 <= bound and (best is None or changes < best[1][0]):
+            best = (params, (changes, p99))
+    if best is None:
+        return None
+    return best[0], best[1], measure(best[0], range(1000, 1000 + test_seeds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=16, help="noise seeds averaged per choose_queue policy")
     ap.add_argument("--lookahead-seeds", type=int, default=3, help="noise seeds of each lookahead row (slow)")
-    ap.add_argument("--switch-costs", type=float, nargs="+", default=[0.1, 0.25])
+    ap.add_argument("--switch-costs", type=float, nargs="+", default=[0.1, 0.2, 0.25])
     ap.add_argument("--target-s", type=float, default=0.6, help="lookahead: latency over this is penalised")
     ap.add_argument("--weights", type=float, nargs="+", default=[5.0, 20.0], help="lookahead: λ per second over")
     ap.add_argument("--horizon-s", type=float, default=1.5)
@@ -398,6 +492,12 @@ def main() -> None:
     ap.add_argument("--hindsight-beam", type=int, default=10)
     ap.add_argument("--hindsight-horizon-s", type=float, default=1.0)
     ap.add_argument("--hindsight-futures", type=int, default=4)
+    ap.add_argument("--search-candidates", type=int, default=500,
+                    help="policy search: tuned_policy parameter draws (about 25 ms each per train seed; 0: no row)")
+    ap.add_argument("--search-train-seeds", type=int, default=8)
+    ap.add_argument("--search-test-seeds", type=int, default=16)
+    ap.add_argument("--search-bound", type=float, default=1.08,
+                    help="policy search: the p99 / default a candidate may have on the train seeds")
     ns = ap.parse_args()
 
     def ratios(make, seeds: int):
@@ -429,6 +529,16 @@ def main() -> None:
         print(f"  {name:36s}: changes / default {changes:.2f} ({c_lo:.2f}-{c_hi:.2f}), "
               f"p99 / default {p99:.2f} ({p_lo:.2f}-{p_hi:.2f}), {seeds} seeds")
 
+    if ns.search_candidates:
+        found = policy_search(ns.search_candidates, ns.search_train_seeds, ns.search_test_seeds, ns.search_bound)
+        name = f"tuned by policy search ({ns.search_candidates})"
+        if found is None:
+            print(f"  {name:36s}: no candidate at p99 / default <= {ns.search_bound:g}")
+        else:
+            params, (c_train, p_train), (c_test, p_test) = found
+            print(f"  {name:36s}: changes / default {c_test:.2f}, p99 / default {p_test:.2f} on "
+                  f"{ns.search_test_seeds} held-out seeds ({c_train:.2f} at {p_train:.2f} on {ns.search_train_seeds} "
+                  f"train seeds); {', '.join(f'{k} {v:.3f}' for k, v in params.items())}")
     exact_changes, exact_p99 = simulate(choose_queue_policy(False), 0, rounds=1, noise=0.0)
     best = clairvoyant(1.10 * exact_p99, ns.beam)
     if best is None:
