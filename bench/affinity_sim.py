@@ -396,9 +396,11 @@ TUNED_RANGES = {  # s: the box the policy search draws each parameter of tuned_p
 
 def tuned_policy(switch_cost_s: float, batch_weight_s: float, busy_cost_s: float, margin_s: float,
                  hold_s: float):
-    """A five-parameter generalisation of the router's rule 3 (``choose_queue`` with affinity
-    is ``batch_weight_s = margin_s = hold_s = 0``, ``busy_cost_s = switch_cost_s``), for the
-    policy search: a (ready queue, free replica) pair is worth the head's wait plus
+    """A five-parameter generalisation of the router's rule 3, for the policy search (at
+    ``batch_weight_s = margin_s = hold_s = 0``, ``busy_cost_s = switch_cost_s`` it makes the
+    router's runs on this workload, ``tests/test_affinity_sim.py``, though not every decision
+    the same: it takes every free replica in a queued state for that queue's, where the router
+    has one owner and the others spare, and sends a starving queue to the first free replica): a (ready queue, free replica) pair is worth the head's wait plus
     ``batch_weight_s`` per image beyond the first it would batch, plus ``switch_cost_s`` on a
     hit, less ``busy_cost_s`` when a busy replica holds the queue's state (and then only while
     positive). A miss must beat the replica's own queue's worth by ``margin_s``; a replica
@@ -453,7 +455,10 @@ def policy_search(candidates: int, train_seeds: int, test_seeds: int, bound: flo
     Optimization*, JMLR 2012) over :func:`tuned_policy`'s parameters drawn uniformly from
     ``TUNED_RANGES``: the candidate of fewest mean changes / default at a mean p99 / default
     <= ``bound`` on noise seeds ``0..train_seeds-1``, then re-measured on ``test_seeds`` other
-    seeds (1000 on): (parameters, train ratios, held-out ratios), or None when none fits."""
+    seeds (1000 on): (parameters, train ratios, held-out ratios), or None when none fits.
+    Raises ValueError for fewer than one train or test seed."""
+    if train_seeds < 1 or test_seeds < 1:
+        raise ValueError(f"policy_search needs train_seeds and test_seeds >= 1, got {train_seeds}, {test_seeds}")
     rng = random.Random(seed)
 
     defaults: dict[int, tuple[float, float]] = {}
@@ -529,7 +534,7 @@ def main() -> None:
         print(f"  {name:36s}: changes / default {changes:.2f} ({c_lo:.2f}-{c_hi:.2f}), "
               f"p99 / default {p99:.2f} ({p_lo:.2f}-{p_hi:.2f}), {seeds} seeds")
 
-    if ns.search_candidates:
+    if ns.search_candidates and ns.search_train_seeds and ns.search_test_seeds:
         found = policy_search(ns.search_candidates, ns.search_train_seeds, ns.search_test_seeds, ns.search_bound)
         name = f"tuned by policy search ({ns.search_candidates})"
         if found is None:

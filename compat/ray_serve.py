@@ -16,6 +16,8 @@ TESTED = ">=2.60,<2.61"
 RELIES_ON = (
     Reliance("ray.serve.request_router", "RequestRouter", "the replica-choice extension point"),
     Reliance("ray.serve.context", "_get_global_client", "deploying a config file in-process (tests)"),
+    Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
+             "Serve's default request router, subclassed to watch the replica set with affinity off"),
 )
 
 
@@ -39,3 +41,14 @@ def deploy_config(config) -> None:
     from ray.serve.context import _get_global_client
 
     _get_global_client().deploy_apps(config, _blocking=True)
+
+
+def power_of_two_choices_router() -> type:
+    """Serve's default request router class (``PowerOfTwoChoicesRequestRouter``, private: the
+    public ``ray.serve.request_router`` exports only its mixins)."""
+    try:
+        from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+    except ImportError as exc:
+        raise CompatError(f"Ray Serve no longer has PowerOfTwoChoicesRequestRouter ({exc}); ditserve is tested "
+                          f"with ray{TESTED}") from None
+    return PowerOfTwoChoicesRequestRouter

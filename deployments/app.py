@@ -9,7 +9,7 @@ from deployments.autoscaling import autoscaling_config
 from deployments.config import AppConfig, with_env_overrides
 from deployments.ingress import Ingress
 from deployments.replica import DiTReplica
-from deployments.replica_chooser import StateAffinityReplicaChooser
+from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
 from deployments.router import Router
 
 SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
@@ -35,7 +35,8 @@ def admission_limit(config: AppConfig) -> int:
 def deployment_options(config: AppConfig) -> dict[str, dict]:
     """The Serve options ``build_app`` gives each deployment, by deployment name.
 
-    DiTReplica: its request router (the state-affinity chooser when ``batching.affinity``),
+    DiTReplica: its request router (the state-affinity chooser when ``batching.affinity``, else
+    Serve's default one, watched: ``ReplicaSetWatcher``),
     replica count or autoscaling on the Router's queue, and with ``world_size > 1`` one
     placement-group bundle per rank (``STRICT_PACK``; the replica actor, rank 0, takes bundle 0
     and its resources). Router, Ingress and DiTReplica: their ``user_config`` (batching knobs;
@@ -49,7 +50,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
         router_config = RequestRouterConfig(request_router_class=StateAffinityReplicaChooser,
                                             request_routing_stats_period_s=batching.routing_stats_period_s)
     else:
-        router_config = RequestRouterConfig(request_routing_stats_period_s=batching.routing_stats_period_s)
+        router_config = RequestRouterConfig(request_router_class=ReplicaSetWatcher,
+                                            request_routing_stats_period_s=batching.routing_stats_period_s)
     grace = config.replica.graceful_shutdown_timeout_s
     replica = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config,
                "graceful_shutdown_timeout_s": grace, "health_check_period_s": config.replica.health_check_period_s,

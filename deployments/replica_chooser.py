@@ -23,10 +23,41 @@ from pipeline.wire import Batch
 ROUTES_KEPT = 1024  # batch routes remembered, for a Router asking where a refused batch went
 # (app name, deployment name) -> the live chooser of that deployment in this process.
 _CHOOSERS: dict[tuple[str, str], "StateAffinityReplicaChooser"] = {}
+# (app name, deployment name) -> the live request router of that deployment in this process,
+# either kind (StateAffinityReplicaChooser, or ReplicaSetWatcher with affinity off).
+_ROUTERS: dict[tuple[str, str], RequestRouter] = {}
 
 
 def chooser_for(app_name: str, deployment_name: str) -> "StateAffinityReplicaChooser | None":
     return _CHOOSERS.get((app_name, deployment_name))
+
+
+def replica_count(app_name: str, deployment_name: str) -> int | None:
+    """How many replicas of the deployment its request router in this process can route to
+    now; None before Serve has made that router (no handle call has been routed yet)."""
+    router = _ROUTERS.get((app_name, deployment_name))
+    return None if router is None else len(router.curr_replicas)
+
+
+def _register(router: RequestRouter, *, chooser: bool) -> None:
+    # Serve may load these classes from a by-value pickle whose globals are a copy; register
+    # in the module the Router deployment imports.
+    import deployments.replica_chooser as registry
+
+    key = (router.app_name, compat.deployment_name(router))
+    registry._ROUTERS[key] = router
+    if chooser:
+        registry._CHOOSERS[key] = router
+
+
+class ReplicaSetWatcher(compat.power_of_two_choices_router()):
+    """Serve's default request router (power of two choices), unchanged, for DiTReplica with
+    ``batching.affinity`` off: registered so the Router sees its replica set
+    (:func:`replica_count`) and holds its queues while every replica is gone."""
+
+    def initialize_state(self, **kwargs):
+        super().initialize_state(**kwargs)
+        _register(self, chooser=False)
 
 
 def _batch_of(pending_request: PendingRequest | None) -> Batch | None:
@@ -46,11 +77,7 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         self._requests: dict[str, str] = {}  # Serve's internal request id -> batch id
         self._batch_replica: dict[str, ReplicaID] = {}  # batch id -> where it was routed (the newest)
         self._excluded: set[str] = set()  # replicas that refused work as broken (unique ids)
-        # Serve may load this class from a by-value pickle whose globals are a copy; register
-        # in the module the Router deployment imports.
-        import deployments.replica_chooser as registry
-
-        registry._CHOOSERS[(self.app_name, compat.deployment_name(self))] = self
+        _register(self, chooser=True)
 
     def last_signature_of(self, replica: RunningReplica) -> str | None:
         if replica.replica_id in self._routed_state:

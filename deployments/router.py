@@ -32,7 +32,7 @@ from ray.serve.schema import ApplicationStatus
 from deployments.config import BatchingConfig
 from deployments.jobs import JobStore, VideoJobs
 from deployments.memory import IdleTrimmer
-from deployments.replica_chooser import chooser_for
+from deployments.replica_chooser import chooser_for, replica_count
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
 from pipeline.contract.videos import VideoJob
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
@@ -103,6 +103,7 @@ class Router:
         self._idle_since: float | None = time.monotonic()  # when the last batch in flight ended (None: one is)
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
         self._running: dict[str, list[_Pending]] = {}  # batch_id -> its requests, while in flight
+        self._unstarted: dict[str, asyncio.Task] = {}  # batch_id -> its dispatch, until a replica takes it
         self._callers_changed: dict[str, asyncio.Event] = {}  # batch_id -> set when one of its callers left
         self._leases: dict[str, float] = {}  # caller -> when it last renewed its lease (monotonic)
         self._reached = time.monotonic()  # when a caller last reached this Router (submit or renewal)
@@ -155,7 +156,7 @@ class Router:
     def _admission_limit(self) -> int:
         """Requests held at once, queued or running: ``max_queued_requests`` plus a full batch
         per replica (the bound the Ingress and Serve's proxy enforce in front of the Router)."""
-        replicas = len(self._replica_views() or ()) or self._capacity
+        replicas = replica_count(self._replica.app_name, self._replica.deployment_name) or self._capacity
         return self._max_queued + self._max_batch_size * replicas
 
     def _admit(self, params: SamplingParams) -> None:
@@ -295,7 +296,7 @@ class Router:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
-            if self._queued and (cut_off or (self._saw_replicas and self._replica_views() is None)):
+            if (self._queued or self._unstarted) and (cut_off or self._replicas_gone()):
                 await self._answer_queued_if_deleted()
             if cut_off:
                 continue
@@ -318,8 +319,9 @@ class Router:
     async def _answer_queued_if_deleted(self) -> None:
         """When this Router's app is being deleted (``serve.status()``: ``DELETING``; also
         ``serve shutdown`` and a config that drops the app), stop dispatching and answer every
-        queued request 503 ``unavailable``: its replicas are stopping and will take no new batch.
-        Running batches still finish. Asked at most once a second, only in the states
+        queued request 503 ``unavailable``, and those of batches dispatched that no replica has
+        taken yet (their dispatch is cancelled): its replicas are stopping and will take no new
+        batch. Running batches still finish. Asked at most once a second, only in the states
         :meth:`_expire_callers` names; a status query that fails or takes over
         ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's timeout still answers)."""
         try:
@@ -333,14 +335,19 @@ class Router:
         queued = [p for q in self._queues.values() for p in q]
         for p in queued:
             self._forget(p)
+        # dispatched, but no replica took them (they would wait in Serve's handle for one)
+        unstarted = [p for batch_id in self._unstarted for p in self._running.get(batch_id, ())]
+        for p in queued + unstarted:
             if not p.future.done():
                 self._reject("app_deleted")
                 p.future.set_exception(ServiceUnavailableError(
                     "the server is shutting down (its app is being deleted) before this request ran; retry "
                     "once it is deployed again", code="unavailable", request_id=p.params.request_id))
-        if queued:
-            logger.warning("app %s is being deleted: %d queued requests answered 503", self._replica.app_name,
-                           len(queued))
+        for dispatch in list(self._unstarted.values()):
+            dispatch.cancel()
+        if queued or unstarted:
+            logger.warning("app %s is being deleted: %d queued and %d dispatched, not started requests answered "
+                           "503", self._replica.app_name, len(queued), len(unstarted))
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or
@@ -373,8 +380,14 @@ class Router:
     def _replica_views(self) -> list[ReplicaView] | None:
         chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
         views = chooser.replica_views() if chooser is not None else []
-        self._saw_replicas = self._saw_replicas or bool(views)
         return views or None
+
+    def _replicas_gone(self) -> bool:
+        """Whether the DiTReplica set this Router's handle routes to, non-empty once, is empty
+        now (the app is being deleted, or every replica is being replaced)."""
+        count = replica_count(self._replica.app_name, self._replica.deployment_name)
+        self._saw_replicas = self._saw_replicas or bool(count)
+        return self._saw_replicas and not count
 
     def _urgent(self, pending: _Pending, now: float) -> bool:
         return is_urgent(pending.params.priority, now - pending.enqueued, self._max_batch_priority_wait_s)
@@ -415,14 +428,16 @@ class Router:
             now = time.monotonic()
             queues = self._queue_views(now)
             replicas = self._replica_views()
+            gone = self._replicas_gone()  # asked on every pass: it also notes that the set was seen
             known = replicas is not None
-            if not known and self._saw_replicas:
+            if not known and gone:
                 # every replica it knew is gone (the app is being deleted, or their replacements are
                 # starting): hold the queues, so a batch is not left waiting in the handle for a
                 # replica that may never come (a delete answers them 503, _answer_queued_if_deleted)
                 replicas = []
-            elif not known:  # replica set not known yet (start-up): one batch per configured replica
-                replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(self._capacity)]
+            elif not known:  # no chooser's views (affinity off, or start-up): one batch per replica
+                slots = replica_count(self._replica.app_name, self._replica.deployment_name) or self._capacity
+                replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(slots)]
             else:  # a batch counts against its replica from dispatch on, before Serve routes it
                 claimed = set(self._claims.values())
                 replicas = [ReplicaView(r.replica_id, r.last_signature, r.busy or r.replica_id in claimed,
@@ -462,6 +477,7 @@ class Router:
         if replica_id is not None:
             self._claims[batch.batch_id] = replica_id
         self._running[batch.batch_id] = pending
+        self._unstarted[batch.batch_id] = asyncio.current_task()
         changed = self._callers_changed[batch.batch_id] = asyncio.Event()
         for p in pending:  # a caller leaving (or an answer) wakes the replica's wanted_requests
             p.future.add_done_callback(lambda _: changed.set())
@@ -495,6 +511,7 @@ class Router:
                     return
                 elif isinstance(event, dict) and "started" in event:  # the replica began running it
                     started = True
+                    self._unstarted.pop(batch.batch_id, None)
                 elif isinstance(event, dict):  # {"step": done, "steps": total} (batch.report_steps)
                     for p in pending:
                         if p.on_progress is not None:
@@ -551,6 +568,7 @@ class Router:
                 chooser.batch_done(batch.batch_id)
             self._claims.pop(batch.batch_id, None)
             self._running.pop(batch.batch_id, None)
+            self._unstarted.pop(batch.batch_id, None)
             self._callers_changed.pop(batch.batch_id).set()
             self._release_slot()
 

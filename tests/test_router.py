@@ -237,6 +237,28 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
     assert stats(url)["counters"]["failed_batches"] >= 1
 
 
+def _outcomes_of_a_delete(responses) -> list[str]:
+    """Delete the app and wait for each response: ``"image"``, or ``"503"`` (the Router's
+    answer for work no replica ran: its app is being deleted). Anything else fails."""
+    deleting = threading.Thread(target=serve.delete, args=("ditserve",))
+    deleting.start()
+    outcomes = []
+    for response in responses:
+        try:
+            result = response.result(timeout_s=120)
+        except ServiceUnavailableError as exc:
+            assert exc.status_code == 503 and exc.code == "unavailable", exc.to_envelope()
+            assert exc.to_envelope()["error"]["type"] == "server_error"
+            assert "its app is being deleted" in exc.to_envelope()["error"]["message"], exc.to_envelope()
+            outcomes.append("503")
+        else:
+            assert isinstance(result, ImageGenerationResponse) and len(result.data) == 1
+            assert base64.b64decode(result.data[0].b64_json)[:8] == b"\x89PNG\r\n\x1a\n"
+            outcomes.append("image")
+    deleting.join(timeout=120)
+    return outcomes
+
+
 def test_shutdown_answers_every_queued_request(deploy):
     """Each request accepted before the app is deleted gets exactly one answer: the running
     batch's image, and for the queued ones a 503 in OpenAI's envelope, from the Router once it
@@ -245,7 +267,8 @@ def test_shutdown_answers_every_queued_request(deploy):
     stopped routing to): it still finishes (CI's slower machine once turned it into a 503).
     The queued requests wait for the busy replica that holds their state while the other one
     is free: when the delete empties the replica set, the Router must not send them off blind
-    (they waited in the handle for a replica that never came, until the Ingress was stopped)."""
+    (such a batch waited in the handle for a replica that never came, until the Ingress
+    answered "router unavailable")."""
     slow = {**SLOW, "num_inference_steps": 180}  # ~9 s
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 30},
                   "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 60_000,
@@ -256,24 +279,29 @@ def test_shutdown_answers_every_queued_request(deploy):
     wait_until(lambda: stats(url)["inflight_batches"] == 1)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **slow}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
-    deleting = threading.Thread(target=serve.delete, args=("ditserve",))
-    deleting.start()
-    outcomes = []
-    for response in [busy, *responses]:
-        try:
-            result = response.result(timeout_s=120)
-        except ServiceUnavailableError as exc:
-            assert exc.status_code == 503 and exc.code == "unavailable", exc.to_envelope()
-            assert exc.to_envelope()["error"]["type"] == "server_error"
-            assert "its app is being deleted" in exc.to_envelope()["error"]["message"]
-            outcomes.append("503")
-        else:
-            assert isinstance(result, ImageGenerationResponse) and len(result.data) == 1
-            assert base64.b64decode(result.data[0].b64_json)[:8] == b"\x89PNG\r\n\x1a\n"
-            outcomes.append("image")
-    deleting.join(timeout=120)
-    assert len(outcomes) == 7 and outcomes[0] == "image"  # the running batch finishes
-    assert set(outcomes[1:]) == {"503"}, outcomes  # queued, never run: every one answered 503
+    outcomes = _outcomes_of_a_delete([busy, *responses])
+    assert outcomes[0] == "image"  # the running batch finishes
+    assert outcomes[1:] == ["503"] * 6, outcomes  # queued, never run: every one answered 503
+
+
+def test_shutdown_without_affinity_answers_every_request_once(deploy):
+    """With Serve's default request router (affinity off) the Router watches the replica set
+    too: a batch that ends after the delete leaves the queued work held and answered 503, or
+    (ending before the delete reached the handle) run; never left waiting in the handle for
+    a replica that is not coming."""
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 30},
+                  "batching": {**TWO_REPLICAS["batching"], "affinity": False},
+                  "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    long = handle.generate.remote({"prompt": "long", "seed": 0, **SLOW, "num_inference_steps": 180})  # ~9 s
+    wait_until(lambda: stats(url)["inflight_batches"] == 1)
+    short = handle.generate.remote({"prompt": "short", "seed": 1, **SLOW, "num_inference_steps": 20})  # ~1 s
+    wait_until(lambda: stats(url)["inflight_batches"] == 2)
+    responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
+    wait_until(lambda: stats(url)["queued"] == 6)
+    outcomes = _outcomes_of_a_delete([long, short, *responses])
+    assert outcomes[:2] == ["image", "image"], outcomes  # the running batches finish
+    assert len(outcomes) == 8  # every queued request answered once, as an image or the Router's 503
 
 
 def _deploy_config(args: dict, router_user_config: dict) -> None:
