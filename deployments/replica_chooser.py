@@ -34,7 +34,8 @@ def chooser_for(app_name: str, deployment_name: str) -> "StateAffinityReplicaCho
 
 def replica_count(app_name: str, deployment_name: str) -> int | None:
     """How many replicas of the deployment its request router in this process can route to
-    now; None before Serve has made that router (no handle call has been routed yet)."""
+    now; None before Serve has made that router (it does once the deployment's config reaches
+    the handle, shortly after the Router starts)."""
     router = _ROUTERS.get((app_name, deployment_name))
     return None if router is None else len(router.curr_replicas)
 

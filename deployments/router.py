@@ -286,10 +286,11 @@ class Router:
         whole lease, the Router is the one cut off: Serve stops routing to a replica it is
         stopping (``serve.delete``, a redeploy) before its graceful shutdown, and that shutdown
         lets the running batch finish; expiring every lease then would turn it into a 503.
-        With work queued while cut off, or while the replica set it knew is empty (a delete
-        stops every replica at once; so does a lone replica's death, until its replacement), it
-        asks whether its app is being deleted (:meth:`_answer_queued_if_deleted`): then its
-        queued requests are answered 503 at once instead of when the shutdown's timeout kills it.
+        With work queued (or dispatched and not yet taken by a replica) while cut off, or while
+        the replica set it knew is empty (a delete stops every replica at once; so does a lone
+        replica's death, until its replacement), it asks whether its app is being deleted
+        (:meth:`_answer_queued_if_deleted`): then that work is answered 503 at once instead of
+        when the shutdown's timeout kills it.
         The cost: the requests of a sole Ingress replica that died stay until its replacement
         (or any other caller) renews."""
         while True:
@@ -338,16 +339,20 @@ class Router:
         # dispatched, but no replica took them (they would wait in Serve's handle for one)
         unstarted = [p for batch_id in self._unstarted for p in self._running.get(batch_id, ())]
         for p in queued + unstarted:
-            if not p.future.done():
-                self._reject("app_deleted")
-                p.future.set_exception(ServiceUnavailableError(
-                    "the server is shutting down (its app is being deleted) before this request ran; retry "
-                    "once it is deployed again", code="unavailable", request_id=p.params.request_id))
+            self._answer_deleted(p)
         for dispatch in list(self._unstarted.values()):
             dispatch.cancel()
         if queued or unstarted:
             logger.warning("app %s is being deleted: %d queued and %d dispatched, not started requests answered "
                            "503", self._replica.app_name, len(queued), len(unstarted))
+
+    def _answer_deleted(self, p: _Pending) -> None:
+        """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer."""
+        if not p.future.done():
+            self._reject("app_deleted")
+            p.future.set_exception(ServiceUnavailableError(
+                "the server is shutting down (its app is being deleted) before this request ran; retry "
+                "once it is deployed again", code="unavailable", request_id=p.params.request_id))
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or
@@ -471,6 +476,11 @@ class Router:
             self._counters["cancelled"] += len(pending)
             self._release_slot()
             return
+        if self._deleting:  # cut before the app read DELETING, started after: run nothing
+            for p in pending:
+                self._answer_deleted(p)
+            self._release_slot()
+            return
         batch = Batch(f"batch-{next(self._batch_ids)}-{uuid.uuid4().hex[:6]}", pending[0].signature,
                       tuple(p.params for p in pending), preferred_replica=replica_id,
                       report_steps=any(p.on_progress is not None for p in pending))
@@ -542,6 +552,9 @@ class Router:
                     p.future.set_result(out)
             self._counters["batches"] += 1
             self._counters["requests"] += len(pending)
+        except asyncio.CancelledError:  # its app is being deleted and no replica had taken it
+            stream.cancel()  # Serve's request too, should a replica have taken it meanwhile
+            raise
         except Exception as exc:  # answer every request of the failed batch
             cause = getattr(exc, "cause", None) or exc
             if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
