@@ -156,7 +156,7 @@ class Router:
     def _admission_limit(self) -> int:
         """Requests held at once, queued or running: ``max_queued_requests`` plus a full batch
         per replica (the bound the Ingress and Serve's proxy enforce in front of the Router)."""
-        replicas = replica_count(self._replica.app_name, self._replica.deployment_name) or self._capacity
+        replicas = self._replica_count() or self._capacity
         return self._max_queued + self._max_batch_size * replicas
 
     def _admit(self, params: SamplingParams) -> None:
@@ -297,7 +297,7 @@ class Router:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
-            if (self._queued or self._unstarted) and (cut_off or self._replicas_gone()):
+            if (self._queued or self._unstarted) and (cut_off or self._replicas_gone(self._replica_count())):
                 await self._answer_queued_if_deleted()
             if cut_off:
                 continue
@@ -387,10 +387,13 @@ class Router:
         views = chooser.replica_views() if chooser is not None else []
         return views or None
 
-    def _replicas_gone(self) -> bool:
-        """Whether the DiTReplica set this Router's handle routes to, non-empty once, is empty
-        now (the app is being deleted, or every replica is being replaced)."""
-        count = replica_count(self._replica.app_name, self._replica.deployment_name)
+    def _replica_count(self) -> int | None:
+        """DiTReplicas this Router's handle can route to now (None: its request router not made yet)."""
+        return replica_count(self._replica.app_name, self._replica.deployment_name)
+
+    def _replicas_gone(self, count: int | None) -> bool:
+        """Whether the DiTReplica set (``count``: :meth:`_replica_count`), non-empty once, is
+        empty now (the app is being deleted, or every replica is being replaced)."""
         self._saw_replicas = self._saw_replicas or bool(count)
         return self._saw_replicas and not count
 
@@ -433,7 +436,8 @@ class Router:
             now = time.monotonic()
             queues = self._queue_views(now)
             replicas = self._replica_views()
-            gone = self._replicas_gone()  # asked on every pass: it also notes that the set was seen
+            count = self._replica_count()
+            gone = self._replicas_gone(count)  # asked on every pass: it also notes that the set was seen
             known = replicas is not None
             if not known and gone:
                 # every replica it knew is gone (the app is being deleted, or their replacements are
@@ -441,8 +445,7 @@ class Router:
                 # replica that may never come (a delete answers them 503, _answer_queued_if_deleted)
                 replicas = []
             elif not known:  # no chooser's views (affinity off, or start-up): one batch per replica
-                slots = replica_count(self._replica.app_name, self._replica.deployment_name) or self._capacity
-                replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(slots)]
+                replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(count or self._capacity)]
             else:  # a batch counts against its replica from dispatch on, before Serve routes it
                 claimed = set(self._claims.values())
                 replicas = [ReplicaView(r.replica_id, r.last_signature, r.busy or r.replica_id in claimed,
