@@ -206,8 +206,9 @@ class DiTReplica:
         ``{"started": batch_id}`` once the replica takes it, ``{"step": done, "steps": total}``
         as denoising steps complete when ``batch.report_steps`` (and ``{"preview": {...}}`` for
         requests that stream previews, ``BatchRunner.run``), then the list of RequestOutput in
-        batch order, or ``{"cancelled_at": steps_done, "steps": steps}`` when every caller left
-        and the batch stopped at a step boundary (``_stop_when_unwanted``).
+        batch order, or ``{"cancelled_at": steps_done, "steps": steps, "dropped": {request_id:
+        steps_done}}`` when every caller left and the batch stopped at a step boundary
+        (``_stop_when_unwanted``; ``dropped``: the requests whose rows had left it earlier).
 
         Raises ``ReplicaUnavailableError`` before starting anything when the replica is broken;
         what the model raises otherwise. When the caller cancels the stream, the batch stops at
@@ -262,7 +263,8 @@ class DiTReplica:
             try:
                 outputs = work.result()
             except BatchCancelled as exc:  # stopped at a step boundary: every caller had left
-                yield {"cancelled_at": exc.steps_done, "steps": exc.steps}
+                yield {"cancelled_at": exc.steps_done, "steps": exc.steps,
+                       "dropped": {batch.requests[i].request_id: step for i, step in exc.dropped.items()}}
                 return
             except GroupBroken as exc:
                 self._break(str(exc))

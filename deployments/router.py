@@ -516,6 +516,10 @@ class Router:
                         self._counters["steps_saved"] += saved
                         self._metric_cancelled.inc(tags={"scope": "batch"})
                         self._metric_steps_saved.inc(saved, tags={"scope": "batch"})
+                        dropped = event.get("dropped") or {}  # rows that left before the batch stopped
+                        for p in pending:
+                            if p.params.request_id in dropped:
+                                self._count_dropped(p, dropped[p.params.request_id])
                     for p in waiting:  # it asked another Router (a redeploy's new one), which did not know them
                         self._reject("batch_stopped")
                         p.future.set_exception(ServiceUnavailableError(
@@ -537,11 +541,7 @@ class Router:
             for p, out in zip(pending, outputs, strict=True):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
                 if out.dropped_at_step is not None:  # its caller left while it ran: its rows were dropped
-                    saved = p.params.n * (p.params.effective_steps - out.dropped_at_step)
-                    self._counters["cancelled_running_requests"] += 1
-                    self._counters["sample_steps_saved"] += saved
-                    self._metric_cancelled.inc(tags={"scope": "request"})
-                    self._metric_steps_saved.inc(saved, tags={"scope": "request"})
+                    self._count_dropped(p, out.dropped_at_step)
                     if not p.future.done():  # cannot happen: dropped only once its caller is gone
                         p.future.set_exception(InternalError(f"request {p.params.request_id} was dropped from "
                                                              "its batch", request_id=p.params.request_id))
@@ -587,6 +587,15 @@ class Router:
             self._unstarted.pop(batch.batch_id, None)
             self._callers_changed.pop(batch.batch_id).set()
             self._release_slot()
+
+    def _count_dropped(self, p: _Pending, steps_done: int) -> None:
+        """Count a request whose rows left its running batch after ``steps_done`` steps (its
+        caller left): ``cancelled_running_requests`` and the sample steps it did not run."""
+        saved = p.params.n * (p.params.effective_steps - steps_done)
+        self._counters["cancelled_running_requests"] += 1
+        self._counters["sample_steps_saved"] += saved
+        self._metric_cancelled.inc(tags={"scope": "request"})
+        self._metric_steps_saved.inc(saved, tags={"scope": "request"})
 
     def _release_slot(self) -> None:
         """A dispatch the scheduler counted in flight has ended: free its slot and wake the scheduler."""

@@ -124,11 +124,14 @@ class LoraLoadError(InternalError):
 
 class BatchCancelled(Exception):
     """Not an answer to a client: control flow inside a replica. A running batch was stopped at
-    a step boundary because no caller wanted it any more; ``steps_done`` of ``steps`` ran."""
+    a step boundary because no caller wanted it any more; ``steps_done`` of ``steps`` ran.
+    ``dropped``: batch index -> steps done when that request's rows left the batch earlier
+    (its caller left first; ``pipeline.loop.LoopOutput.dropped``), so its saved work is counted
+    as a dropped request's, not lost with the stopped batch."""
 
-    def __init__(self, steps_done: int, steps: int):
+    def __init__(self, steps_done: int, steps: int, dropped: dict[int, int] | None = None):
         super().__init__(f"batch stopped after {steps_done} of {steps} steps")
-        self.steps_done, self.steps = steps_done, steps
+        self.steps_done, self.steps, self.dropped = steps_done, steps, dict(dropped or {})
 
 
 class SharedFailure(RuntimeError):

@@ -362,13 +362,13 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             synchronize(latents.device)  # progress is steps the GPU has finished
             on_step(i + 1, num_steps)
         if should_stop is not None and should_stop() and i + 1 < num_steps:
-            raise BatchCancelled(i + 1, num_steps)
+            raise BatchCancelled(i + 1, num_steps, dropped)
         gone_ids = rows_gone() if rows_gone is not None else ()
         gone = [j for j, b in enumerate(keep) if b in gone_ids]
         if gone and i + 1 < num_steps:
             if len(gone) == len(keep):
                 if not failures:  # nobody waits for anything this batch would answer
-                    raise BatchCancelled(i + 1, num_steps)
+                    raise BatchCancelled(i + 1, num_steps, dropped)
                 # the requests whose own text failed still get their 400s: end here, decoding nothing
                 dropped.update({b: i + 1 for b in keep})
                 return LoopOutput([None] * len(batch), (time.perf_counter() - t0) * 1e3, 0.0, num_steps, reused,

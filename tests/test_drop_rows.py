@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.errors import BatchCancelled
 from pipeline.runner import BatchRunner
 from tests.helpers import batch_of
 from tests.helpers import flux_params as params
@@ -91,3 +92,27 @@ def test_when_every_runnable_request_is_gone_the_failed_ones_still_get_their_400
     outputs = flux.run(batch_of(poisoned, good), on_step=on_step, requests_gone=gone)
     assert outputs[0].error is not None and outputs[0].error.status_code == 400
     assert outputs[1].dropped_at_step == 1 and outputs[1].images == []
+
+
+def test_a_stopped_batch_names_the_rows_it_had_dropped_before(flux):
+    """A request whose rows left the batch at step 1, then the others' callers leave too: the
+    batch stops (``BatchCancelled``) and still names the request dropped earlier and its step,
+    so the Router counts its saved work (the replica's ``cancelled_at`` event carries it); the
+    same when the stop comes from ``should_stop`` instead of every row being gone."""
+    batch = batch_of(*(params(f"prompt {s}", s, steps=6, size=(64, 64)) for s in (1, 2, 3)))
+    done = {"steps": 0}
+
+    def on_step(steps: int, _total: int) -> None:
+        done["steps"] = steps
+
+    def gone():
+        return frozenset({"r2"} if done["steps"] < 3 else {"r1", "r2", "r3"})
+
+    with pytest.raises(BatchCancelled) as stopped:
+        flux.denoise(batch, on_step=on_step, requests_gone=gone)
+    assert (stopped.value.steps_done, stopped.value.steps, stopped.value.dropped) == (3, 6, {1: 1})
+    done["steps"] = 0
+    with pytest.raises(BatchCancelled) as stopped:
+        flux.denoise(batch, on_step=on_step, requests_gone=lambda: frozenset({"r3"}),
+                     should_stop=lambda: done["steps"] >= 2)
+    assert (stopped.value.steps_done, stopped.value.dropped) == (2, {2: 1})

@@ -66,18 +66,29 @@ def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deplo
 
 
 def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
+    """Two requests batched; one caller leaves (its rows are dropped), then the other: the batch
+    stops at a step boundary, both are counted, and the replica's state stays consistent."""
     url = deploy({"replica": {"num_replicas": 1, "torch_threads": 1}, "limits": {"max_pixels": 256 * 256}},
                  fresh=True)
     handle = serve.get_app_handle("ditserve")
     quick = {"prompt": "after", "seed": 5, "num_inference_steps": 3}
     reference = post(url, quick).json()["data"][0]["b64_json"]
-    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 2})  # both queue behind it
     wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves first", "seed": 4, "num_inference_steps": 100})
+    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
     time.sleep(1.0)  # a few steps in
-    running.cancel()
+    leaving.cancel()  # its rows leave the batch at the next step boundary
+    time.sleep(2.0)
+    running.cancel()  # nobody is left: the batch stops
     wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) == 1, timeout=60)
     counters = router_stats(url)["counters"]
     assert 0 < counters["steps_saved"] < 100
+    # the request dropped before the stop is counted as dropped (it was lost with the stopped batch)
+    assert counters.get("cancelled_running_requests") == 1 and 0 < counters["sample_steps_saved"] < 100
     started = time.monotonic()
     again = post(url, quick)
     assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
