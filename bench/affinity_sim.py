@@ -32,6 +32,11 @@ Policies, each printed as (state changes / default's, p99 latency / default's):
   separate price on taking a busy replica's state, a margin on misses, an idle hold), the
   candidate of fewest changes at p99 / default <= ``--search-bound`` on train seeds,
   re-measured on held-out seeds (:func:`policy_search`).
+- ``joining``: a mechanism, not a policy: :class:`JoinSim` lets a running batch take requests
+  of its own signature at every step boundary (step-level "continuous batching", which
+  ditserve does not have), with the router's rule at its default switch cost, and tuned by the
+  same policy search over :func:`joining_policy` (switch cost and an idle hold). It asks
+  whether giving the replica that power would move the trade-off enough to be worth building.
 - ``clairvoyant``: an offline beam search (``--beam`` schedules kept per decision) over the same
   actions, knowing every signature in advance and every duration (noise-free), with every
   latency at most 1.10x the noise-free default's p99 (one round: its p99 is its maximum). A
@@ -41,9 +46,9 @@ Each ratio is against the default router's run with the same noise seed; the ran
 seeds follows it (p99 of 300 latencies is their 3rd largest: a few requests move it).
 
     .venv/bin/python bench/affinity_sim.py [--seeds 16] [--lookahead-seeds 3] [--beam 300] [--hindsight-seeds 0]
-        [--search-candidates 500]
+        [--search-candidates 500] [--join-search-candidates 300]
 
-No Ray, no model, one core: about two minutes.
+No Ray, no model, one core: about three minutes.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ CLIENTS, REPLICAS, MAX_BATCH, MAX_WAIT_S = 8, 2, 4, 0.010
 SIGNATURES = (2, 3, 4, 5)  # num_inference_steps
 F, A, C, D = 0.088, 0.0175, 0.0063, 0.0133  # s: per batch, per step, per step and image, per image
 NOISE = 0.40  # uniform relative noise of a batch's duration
+# Step-level joining (JoinSim), per request: a join encodes its prompt alone (5.8 ms measured on
+# tiny-flux with 1 thread) and makes its latents (0.2 ms), plus the Router's message; a row that
+# finishes before its batch sends its output on its own (the replica -> Router stream item, 3.7 ms
+# measured on the HTTP path).
+JOIN_S, ANSWER_S = 0.008, 0.004
 
 
 def batch_s(steps: int, images: int) -> float:
@@ -81,6 +91,8 @@ class Replica:
     state: int | None = None         # the signature of its last batch (None: fresh)
     busy_until: float | None = None  # s (None: free)
     members: tuple = ()              # send times of the requests in its running batch
+    rows: tuple = ()                 # JoinSim: (send time, steps done) of each running request
+    factor: float = 1.0              # JoinSim: its running batch's noise factor
 
 
 class Sim:
@@ -165,6 +177,92 @@ class Sim:
         return queues, replicas
 
 
+class JoinSim(Sim):
+    """:class:`Sim` with step-level joining, a mechanism ditserve does not have ("continuous
+    batching" within one signature), modelled to see whether it would move the trade-off: at
+    every step boundary a running batch takes requests queued for its own signature (up to
+    ``MAX_BATCH`` rows, ``JOIN_S`` each), each row runs its own ``k`` steps and is decoded and
+    answered when they are done (``D``, and ``ANSWER_S`` when others still run), and the replica
+    is free when its last row is. A step costs ``A + C·rows`` (the first ``F`` more) times the
+    batch's noise factor, drawn once per dispatch as for a whole batch in :class:`Sim` (without
+    joins, ``joins = False``, every batch takes as long as there)."""
+
+    joins = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.answers: list[tuple[float, float]] = []  # (answered at, sent) of rows done, decoding
+
+    def copy(self) -> "JoinSim":
+        c = super().copy()
+        c.__class__, c.answers = type(self), list(self.answers)
+        return c
+
+    def next_event(self) -> float | None:
+        times = [t for t in (super().next_event(), self.answers[0][0] if self.answers else None) if t is not None]
+        return min(times, default=None)
+
+    def dispatch(self, signature: int, replica: int, duration_s: float) -> None:
+        size = min(MAX_BATCH, len(self.queues[signature]))
+        super().dispatch(signature, replica, duration_s)
+        r = self.replicas[replica]
+        r.factor = duration_s / batch_s(signature, size)
+        r.rows, r.members = tuple((sent, 0) for sent in r.members), ()  # answered here, not by Sim.advance
+        r.busy_until = self.t + (F + A + C * size) * r.factor
+
+    def advance(self, t: float, next_signature) -> None:
+        ended = [r for r in self.replicas if r.busy_until is not None and r.busy_until <= t + 1e-12]
+        super().advance(t, next_signature)  # arrivals; frees the ended replicas
+        while self.answers and self.answers[0][0] <= t + 1e-12:
+            _, sent = self.answers.pop(0)
+            self.latencies.append(t + HOP_S - sent)
+            self.done += 1
+            if self.sent < len(self.sequence):
+                self.transit.append((t + 2 * HOP_S, next_signature(self), t + HOP_S))
+                self.sent += 1
+        self.transit.sort()
+        for r in ended:
+            if not r.rows:  # its last rows' decode has ended
+                continue
+            rows = [(sent, done + 1) for sent, done in r.rows]
+            finished = [sent for sent, done in rows if done >= r.state]
+            rows = [(sent, done) for sent, done in rows if done < r.state]
+            tail = D * len(finished) * r.factor + (ANSWER_S * len(finished) if rows else 0.0)
+            self.answers = sorted(self.answers + [(t + tail, sent) for sent in finished])
+            queue = self.queues.get(r.state, [])
+            joining = queue[:MAX_BATCH - len(rows)] if rows and self.joins else []
+            self.queues[r.state] = queue[len(joining):]
+            rows += [(sent, 0) for _, sent in joining]
+            r.rows = tuple(rows)
+            r.busy_until = t + tail + ((A + C * len(rows) + JOIN_S * len(joining)) * r.factor if rows else 0.0)
+            if r.busy_until <= t:
+                r.busy_until = None
+            else:
+                self.idle_since = None
+        if self.idle_since is None and all(r.busy_until is None for r in self.replicas):
+            self.idle_since = t
+
+
+def joining_policy(switch_cost_s: float, hold_s: float = 0.0, hold_images: float = 0.0):
+    """For :class:`JoinSim`: ``choose_queue`` with affinity, and a free replica whose own queue
+    is empty does not switch for a queue younger than ``hold_s`` holding fewer than
+    ``hold_images`` images (an idle hold: joining returns the latency it costs)."""
+    base = choose_queue_policy(True, switch_cost_s)
+
+    def decide(sim: Sim):
+        action, wake = base(sim)
+        if action is None or hold_s <= 0:
+            return action, wake
+        signature, replica = action
+        r, queue = sim.replicas[replica], sim.queues[signature]
+        if r.state is not None and r.state != signature and not sim.queues.get(r.state) \
+                and len(queue) < hold_images and sim.t - queue[0][0] < hold_s:
+            until = queue[0][0] + hold_s + 1e-6
+            return None, until if wake is None else min(wake, until)
+        return action, wake
+    return decide
+
+
 def choose_queue_policy(affinity: bool, switch_cost_s: float = scheduling.DEFAULT_SWITCH_COST_S):
     """``deployments.scheduling.choose_queue`` as a policy: (action, next wake-up time or None)."""
     def decide(sim: Sim):
@@ -242,13 +340,14 @@ def lookahead_policy(target_s: float, weight: float, horizon_s: float, futures: 
     return decide
 
 
-def simulate(decide, seed: int, rounds: int = 3, noise: float = NOISE) -> tuple[float, float]:
-    """(state changes per 100 requests, p99 latency s) over ``rounds`` rounds of the workload."""
+def simulate(decide, seed: int, rounds: int = 3, noise: float = NOISE, model: type[Sim] = Sim) -> tuple[float, float]:
+    """(state changes per 100 requests, p99 latency s) over ``rounds`` rounds of the workload,
+    run by ``model`` (:class:`Sim`, or :class:`JoinSim`)."""
     sequence, rng = workload(), random.Random(seed)
     duration = (lambda s, i, sim: sim.next_batch_s(s) * (1 + rng.uniform(-noise, noise)))
     latencies, changes, t, states = [], 0, 0.0, (None,) * REPLICAS
     for _ in range(rounds):
-        sim = Sim(sequence, t, states)
+        sim = model(sequence, t, states)
         run(sim, decide, duration, lambda m: m.sequence[m.sent])
         latencies += sim.latencies
         changes += sim.changes
@@ -450,16 +549,23 @@ def tuned_policy(switch_cost_s: float, batch_weight_s: float, busy_cost_s: float
     return decide
 
 
-def policy_search(candidates: int, train_seeds: int, test_seeds: int, bound: float, seed: int = 0):
+JOIN_RANGES = {  # the box the policy search draws joining_policy's parameters from (s, s, images)
+    "switch_cost_s": (0.0, 0.8), "hold_s": (0.0, 0.5), "hold_images": (1.0, 5.0)}
+
+
+def policy_search(candidates: int, train_seeds: int, test_seeds: int, bound: float, seed: int = 0,
+                  make=None, ranges: dict | None = None, model: type[Sim] = Sim):
     """Direct policy search (random search, Bergstra & Bengio, *Random Search for Hyper-Parameter
-    Optimization*, JMLR 2012) over :func:`tuned_policy`'s parameters drawn uniformly from
-    ``TUNED_RANGES``: the candidate of fewest mean changes / default at a mean p99 / default
-    <= ``bound`` on noise seeds ``0..train_seeds-1``, then re-measured on ``test_seeds`` other
-    seeds (1000 on): (parameters, train ratios, held-out ratios), or None when none fits.
-    Raises ValueError for fewer than one train or test seed."""
+    Optimization*, JMLR 2012) over the parameters of ``make`` (:func:`tuned_policy`) drawn
+    uniformly from ``ranges`` (``TUNED_RANGES``), each run by ``model``: the candidate of fewest
+    mean changes / default at a mean p99 / default <= ``bound`` on noise seeds
+    ``0..train_seeds-1``, then re-measured on ``test_seeds`` other seeds (1000 on): (parameters,
+    train ratios, held-out ratios), or None when none fits. The default router it is measured
+    against always runs in :class:`Sim`. Raises ValueError for fewer than one train or test seed."""
     if train_seeds < 1 or test_seeds < 1:
         raise ValueError(f"policy_search needs train_seeds and test_seeds >= 1, got {train_seeds}, {test_seeds}")
     rng = random.Random(seed)
+    make, ranges = make or tuned_policy, ranges or TUNED_RANGES
 
     defaults: dict[int, tuple[float, float]] = {}
 
@@ -467,13 +573,13 @@ def policy_search(candidates: int, train_seeds: int, test_seeds: int, bound: flo
         for s in seeds:
             if s not in defaults:
                 defaults[s] = simulate(choose_queue_policy(False), s)
-        runs = [(simulate(tuned_policy(**params), s), defaults[s]) for s in seeds]
+        runs = [(simulate(make(**params), s, model=model), defaults[s]) for s in seeds]
         return (statistics.mean(c / dc for (c, _), (dc, _) in runs),
                 statistics.mean(p / dp for (_, p), (_, dp) in runs))
 
     best = None
     for _ in range(candidates):
-        params = {name: rng.uniform(lo, hi) for name, (lo, hi) in TUNED_RANGES.items()}
+        params = {name: rng.uniform(lo, hi) for name, (lo, hi) in ranges.items()}
         changes, p99 = measure(params, range(train_seeds))
         if p99 <= bound and (best is None or changes < best[1][0]):
             best = (params, (changes, p99))
@@ -503,12 +609,14 @@ def main() -> None:
     ap.add_argument("--search-test-seeds", type=int, default=16)
     ap.add_argument("--search-bound", type=float, default=1.08,
                     help="policy search: the p99 / default a candidate may have on the train seeds")
+    ap.add_argument("--join-search-candidates", type=int, default=300,
+                    help="joining: joining_policy parameter draws for JoinSim (0: no row)")
     ns = ap.parse_args()
 
-    def ratios(make, seeds: int):
+    def ratios(make, seeds: int, model: type[Sim] = Sim):
         """Mean changes / default and p99 / default over ``seeds`` seeds, each against the
         default router's run with the same noise, and their (min, max) over the seeds."""
-        runs = [(simulate(make(seed), seed), defaults[seed]) for seed in range(seeds)]
+        runs = [(simulate(make(seed), seed, model=model), defaults[seed]) for seed in range(seeds)]
         changes = [c / dc for (c, _), (dc, _) in runs]
         p99 = [p / dp for (_, p), (_, dp) in runs]
         return statistics.mean(changes), (min(changes), max(changes)), statistics.mean(p99), (min(p99), max(p99))
@@ -529,14 +637,20 @@ def main() -> None:
         rows += [(f"hindsight, λ {w:g}/s over {ns.target_s * 1e3:g} ms", ns.hindsight_seeds,
                   lambda seed, w=w: hindsight_policy(ns.target_s, w, ns.hindsight_horizon_s, ns.hindsight_beam,
                                                      ns.hindsight_futures, seed)) for w in ns.weights]
-    for name, seeds, make in [row for row in rows if row[1]]:
-        changes, (c_lo, c_hi), p99, (p_lo, p_hi) = ratios(make, seeds)
+    c = scheduling.DEFAULT_SWITCH_COST_S
+    rows.append((f"joining, switch {c * 1e3:g} ms", ns.seeds, lambda _: joining_policy(c), JoinSim))
+    for name, seeds, make, *model in [row for row in rows if row[1]]:
+        changes, (c_lo, c_hi), p99, (p_lo, p_hi) = ratios(make, seeds, *model)
         print(f"  {name:36s}: changes / default {changes:.2f} ({c_lo:.2f}-{c_hi:.2f}), "
               f"p99 / default {p99:.2f} ({p_lo:.2f}-{p_hi:.2f}), {seeds} seeds")
 
-    if ns.search_candidates and ns.search_train_seeds and ns.search_test_seeds:
-        found = policy_search(ns.search_candidates, ns.search_train_seeds, ns.search_test_seeds, ns.search_bound)
-        name = f"tuned by policy search ({ns.search_candidates})"
+    searches = [(f"tuned by policy search ({ns.search_candidates})", ns.search_candidates, {}),
+                (f"joining, tuned ({ns.join_search_candidates})", ns.join_search_candidates,
+                 {"make": joining_policy, "ranges": JOIN_RANGES, "model": JoinSim})]
+    for name, candidates, kind in searches:
+        if not (candidates and ns.search_train_seeds and ns.search_test_seeds):
+            continue
+        found = policy_search(candidates, ns.search_train_seeds, ns.search_test_seeds, ns.search_bound, **kind)
         if found is None:
             print(f"  {name:36s}: no candidate at p99 / default <= {ns.search_bound:g}")
         else:
