@@ -35,12 +35,13 @@ def deployment_name(router) -> str:
                           f"with ray{TESTED}") from None
 
 
-def deploy_config(config) -> None:
-    """Deploy a ``ServeDeploySchema`` on the connected cluster as ``serve deploy`` would, and wait
-    until Serve has taken it (not until the application is running)."""
+def deploy_config(config, wait_running: bool = True) -> None:
+    """Deploy a ``ServeDeploySchema`` on the connected cluster as ``serve deploy`` would. With
+    ``wait_running``, wait until every application in it is ``RUNNING`` (Serve raises
+    ``TimeoutError`` after 60 s), else return once the controller has taken the config."""
     from ray.serve.context import _get_global_client
 
-    _get_global_client().deploy_apps(config, _blocking=True)
+    _get_global_client().deploy_apps(config, _blocking=wait_running)
 
 
 def power_of_two_choices_router() -> type:

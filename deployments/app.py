@@ -71,7 +71,7 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     # Shutdown order (Serve stops all three at once, each killed after its own timeout): the
     # running batch finishes (grace), then the Router goes, and the Ingress, still up, answers
     # the requests the Router held with 503 "unavailable" (on an app delete the Router answers
-    # its queued ones itself first: Router._answer_queued_if_deleted).
+    # its queued ones itself first: Router._answer_queued_if_unservable).
     loras = {name: settings.model_dump() for name, settings in config.model.loras.items()}
     replica["user_config"] = {"loras": loras}
     # The routing processes allocate with the C allocator: what a burst leaves free is returned

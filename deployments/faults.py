@@ -4,6 +4,8 @@
 in the replica before it runs, as a model error would. ``DITSERVE_FAIL_RANK=RANK:TEXT``: rank
 RANK alone raises after the first denoising step of such a batch, while the other ranks go on
 into the next step's collectives (what an out-of-memory on one GPU does).
+``DITSERVE_FAIL_STARTUP=TEXT``: the replica's constructor raises (a checkpoint that no longer
+loads, a broken device), so a deploy or a redeploy of DiTReplica with it fails.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from pipeline.wire import Batch
 
 FAULT_ENV = "DITSERVE_FAIL_SIGNATURES_CONTAINING"
 RANK_FAULT_ENV = "DITSERVE_FAIL_RANK"
+STARTUP_FAULT_ENV = "DITSERVE_FAIL_STARTUP"
+
+
+def startup_fault() -> str | None:
+    """The injected failure of a replica's constructor, or None."""
+    text = os.environ.get(STARTUP_FAULT_ENV)
+    return f"injected startup fault ({text})" if text else None
 
 
 def batch_fault(batch: Batch) -> str | None:

@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
-from deployments.faults import batch_fault
+from deployments.faults import batch_fault, startup_fault
 from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
@@ -84,6 +84,8 @@ class DiTReplica:
                  cpu_nice: int = 0):
         os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
+        if startup_fault():
+            raise RuntimeError(startup_fault())
         acceleration = acceleration or {}
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start

@@ -27,7 +27,7 @@ from typing import Callable
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.metrics import Counter, Gauge, Histogram
-from ray.serve.schema import ApplicationStatus
+from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from deployments.config import BatchingConfig
 from deployments.jobs import JobStore, VideoJobs
@@ -53,7 +53,7 @@ MAX_REQUEUES = 2
 # A caller (an Ingress replica) renews its lease every second while it lives; its requests are
 # dropped (queued) or cancelled (running) once its lease is this old: it died with them.
 CALLER_LEASE_S = 5.0
-# Longest wait for the controller's app status (Router._answer_queued_if_deleted).
+# Longest wait for the controller's app status (Router._answer_queued_if_unservable).
 STATUS_TIMEOUT_S = 2.0
 
 
@@ -109,6 +109,7 @@ class Router:
         self._reached = time.monotonic()  # when a caller last reached this Router (submit or renewal)
         self._saw_replicas = False  # the replica set has been known (non-empty) at least once
         self._deleting = False  # its app read DELETING: nothing more is dispatched
+        self._deploy_failed = False  # no DiTReplica left and Serve gave up starting one (DEPLOY_FAILED)
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -161,8 +162,13 @@ class Router:
 
     def _admit(self, params: SamplingParams) -> None:
         """Raise ``OverloadedError`` when the queued and running requests reach the admission
-        limit (``max_queued_requests`` waiting beyond full batches), counting the rejection."""
+        limit (``max_queued_requests`` waiting beyond full batches), ``ServiceUnavailableError``
+        while no DiTReplica is left and Serve has given up starting one
+        (:meth:`_answer_queued_if_unservable`), counting the rejection."""
         self._trimmer.busy()
+        if self._deploy_failed and not self._replica_count():
+            self._reject("deploy_failed")
+            raise self._deploy_failed_error(params)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         if held >= self._admission_limit():
             self._reject("overloaded")
@@ -288,17 +294,19 @@ class Router:
         lets the running batch finish; expiring every lease then would turn it into a 503.
         With work queued (or dispatched and not yet taken by a replica) while cut off, or while
         the replica set it knew is empty (a delete stops every replica at once; so does a lone
-        replica's death, until its replacement), it asks whether its app is being deleted
-        (:meth:`_answer_queued_if_deleted`): then that work is answered 503 at once instead of
-        when the shutdown's timeout kills it.
+        replica's death, until its replacement, and a redeploy whose new version fails to start),
+        it asks whether its app is being deleted or its replicas failed to deploy
+        (:meth:`_answer_queued_if_unservable`): then that work is answered 503 at once instead of
+        when the shutdown's timeout kills it, or never.
         The cost: the requests of a sole Ingress replica that died stay until its replacement
         (or any other caller) renews."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
-            if (self._queued or self._unstarted) and (cut_off or self._replicas_gone(self._replica_count())):
-                await self._answer_queued_if_deleted()
+            if self._deploy_failed or (
+                    (self._queued or self._unstarted) and (cut_off or self._replicas_gone(self._replica_count()))):
+                await self._answer_queued_if_unservable()
             if cut_off:
                 continue
             gone = {c for c, renewed in self._leases.items() if now - renewed > CALLER_LEASE_S}
@@ -317,21 +325,30 @@ class Router:
                 logger.warning("callers %s stopped renewing their lease: %d requests dropped", sorted(gone),
                                len(orphans))
 
-    async def _answer_queued_if_deleted(self) -> None:
+    async def _answer_queued_if_unservable(self) -> None:
         """When this Router's app is being deleted (``serve.status()``: ``DELETING``; also
         ``serve shutdown`` and a config that drops the app), stop dispatching and answer every
         queued request 503 ``unavailable``, and those of batches dispatched that no replica has
         taken yet (their dispatch is cancelled): its replicas are stopping and will take no new
-        batch. Running batches still finish. Asked at most once a second, only in the states
-        :meth:`_expire_callers` names; a status query that fails or takes over
-        ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's timeout still answers)."""
+        batch. Running batches still finish. The same when no DiTReplica is left and its
+        deployment is ``DEPLOY_FAILED`` (a redeploy whose new version failed to start: Serve
+        stopped the old replicas and gives up on the new ones, and its own handles refuse calls
+        with ``DeploymentUnavailableError``); new requests are then refused at admission until a
+        replica is back or the status changes (a new deploy), read again every second.
+        Asked at most once a second, only in the states :meth:`_expire_callers` names; a status
+        query that fails or takes over ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's
+        timeout still answers)."""
         try:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
-            self._deleting = status.applications[self._replica.app_name].status == ApplicationStatus.DELETING
+            app = status.applications[self._replica.app_name]
+            self._deleting = app.status == ApplicationStatus.DELETING
+            replicas = app.deployments.get(self._replica.deployment_name)
+            self._deploy_failed = (replicas is not None and replicas.status == DeploymentStatus.DEPLOY_FAILED
+                                   and not self._replica_count())
         except Exception as exc:  # the controller is busy or going
             logger.debug("app status unavailable: %s", exc)
             return
-        if not self._deleting:
+        if not (self._deleting or self._deploy_failed):
             return
         queued = [p for q in self._queues.values() for p in q]
         for p in queued:
@@ -339,12 +356,17 @@ class Router:
         # dispatched, but no replica took them (they would wait in Serve's handle for one)
         unstarted = [p for batch_id in self._unstarted for p in self._running.get(batch_id, ())]
         for p in queued + unstarted:
-            self._answer_deleted(p)
+            if self._deleting:
+                self._answer_deleted(p)
+            elif not p.future.done():
+                self._reject("deploy_failed")
+                p.future.set_exception(self._deploy_failed_error(p.params))
         for dispatch in list(self._unstarted.values()):
             dispatch.cancel()
         if queued or unstarted:
-            logger.warning("app %s is being deleted: %d queued and %d dispatched, not started requests answered "
-                           "503", self._replica.app_name, len(queued), len(unstarted))
+            logger.warning("app %s %s: %d queued and %d dispatched, not started requests answered 503",
+                           self._replica.app_name, "is being deleted" if self._deleting else
+                           f"has no {self._replica.deployment_name} left (DEPLOY_FAILED)", len(queued), len(unstarted))
 
     def _answer_deleted(self, p: _Pending) -> None:
         """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer."""
@@ -353,6 +375,14 @@ class Router:
             p.future.set_exception(ServiceUnavailableError(
                 "the server is shutting down (its app is being deleted) before this request ran; retry "
                 "once it is deployed again", code="unavailable", request_id=p.params.request_id))
+
+    def _deploy_failed_error(self, params: SamplingParams) -> ServiceUnavailableError:
+        """The 503 of a request that no replica can run: every one is gone and Serve could not
+        start their new version (what failed is in ``serve status``, never in the answer)."""
+        return ServiceUnavailableError(
+            f"no replica can run this request: the model's replicas ({self._replica.deployment_name}) failed to "
+            "deploy and none is left; retry once the app is redeployed", code="unavailable",
+            request_id=params.request_id)
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or
@@ -442,7 +472,7 @@ class Router:
             if not known and gone:
                 # every replica it knew is gone (the app is being deleted, or their replacements are
                 # starting): hold the queues, so a batch is not left waiting in the handle for a
-                # replica that may never come (a delete answers them 503, _answer_queued_if_deleted)
+                # replica that may never come (a delete answers them 503, _answer_queued_if_unservable)
                 replicas = []
             elif not known:  # no chooser's views (affinity off, or start-up): one batch per replica
                 replicas = [ReplicaView(str(i), None, i < self._inflight) for i in range(count or self._capacity)]

@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from compat.ray_serve import deploy_config
-from deployments.faults import FAULT_ENV
+from deployments.faults import FAULT_ENV, STARTUP_FAULT_ENV
 from pipeline.contract.images import ImageGenerationResponse
 from pipeline.errors import RequestTimeoutError, ServiceUnavailableError
 from tests.helpers import post, wait_until
@@ -304,16 +304,18 @@ def test_shutdown_without_affinity_answers_every_request_once(deploy):
     assert len(outcomes) == 8  # every queued request answered once, as an image or the Router's 503
 
 
-def _deploy_config(args: dict, router_user_config: dict) -> None:
+def _deploy_config(args: dict, router_user_config: dict, deployments: tuple = (), running: bool = True) -> None:
     """Deploy as a Serve config file is deployed (serve deploy / serve run FILE / RayService),
-    with the Router's batching knobs in the file's ``deployments`` section."""
+    with the Router's batching knobs (and ``deployments``' entries) in the file's ``deployments``
+    section; with ``running``, wait until the app runs."""
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema.model_validate({"applications": [
         {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
-         "deployments": [{"name": "Router", "user_config": router_user_config}]}]})
-    deploy_config(config)
-    wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
+         "deployments": [{"name": "Router", "user_config": router_user_config}, *deployments]}]})
+    deploy_config(config, wait_running=False)
+    if running:
+        wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
 
 
 def test_user_config_changes_batching_without_a_restart(ray_cluster):
@@ -345,3 +347,39 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         assert {m["replica"] for m in metas} <= replicas_before  # the DiTReplica was not restarted either
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
+
+
+def test_a_redeploy_whose_replicas_fail_to_start_answers_503_at_once(ray_cluster):
+    """A config redeploy that changes only DiTReplica (its actor options) to a version whose
+    constructor fails: Serve stops the old replica and gives up on the new one (DEPLOY_FAILED)
+    while the Router and Ingress stay. The request queued meanwhile and every new one are
+    answered 503 within seconds (they waited for their client's timeout before, for ever
+    without one); a fixed redeploy serves again."""
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
+    if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
+        serve.delete("ditserve")
+    url = ray_cluster["url"]
+    broken = {"name": "DiTReplica", "ray_actor_options": {"num_cpus": 1, "runtime_env": {
+        "env_vars": {STARTUP_FAULT_ENV: "a checkpoint that no longer loads"}}}}
+    try:
+        _deploy_config(one, one["batching"])
+        router = stats(url)["router_replica"]
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(post, url, {"prompt": "running", "seed": 1, **SLOW})
+            wait_until(lambda: stats(url)["inflight_batches"] == 1)
+            _deploy_config(one, one["batching"], [broken], running=False)
+            queued = pool.submit(post, url, {"prompt": "queued", "seed": 2, **FAST})  # while it is replaced
+            wait_until(lambda: serve.status().applications["ditserve"].deployments["DiTReplica"].status
+                       == "DEPLOY_FAILED", timeout=120)
+            answers = [queued.result(timeout=30), post(url, {"prompt": "new", "seed": 3, **FAST}, timeout=30)]
+            busy.result(timeout=120)  # the old replica finished its batch or its callers got an answer
+        for r in answers:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "unavailable" and "failed to deploy" in r.json()["error"]["message"]
+            assert "Traceback" not in r.text and STARTUP_FAULT_ENV not in r.text
+        after = stats(url)
+        assert after["router_replica"] == router and after["counters"]["rejected_deploy_failed"] >= 2
+        _deploy_config(one, one["batching"], [{**broken, "ray_actor_options": {"num_cpus": 1}}])
+        assert post(url, {"prompt": "fixed", "seed": 4, **FAST}).status_code == 200
+    finally:
+        serve.delete("ditserve")
