@@ -137,6 +137,7 @@ def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_st
         events = [event for event in replica.run_batch.remote(batch)]
         assert events[0] == {"started": batch.batch_id}
         stopped = events[-1]
-        assert set(stopped) == {"cancelled_at", "steps"} and stopped["steps"] == 400 and stopped["cancelled_at"] < 400
+        assert set(stopped) == {"cancelled_at", "steps", "dropped"} and stopped["dropped"] == {}
+        assert stopped["steps"] == 400 and stopped["cancelled_at"] < 400
         steps = [e["step"] for e in events[1:-1]]
         assert steps == (list(range(1, stopped["cancelled_at"] + 1)) if report_steps else [])
