@@ -132,15 +132,20 @@ class Sim:
         for r in self.replicas:
             if r.busy_until is not None and r.busy_until <= t + 1e-12:
                 for sent in r.members:
-                    self.latencies.append(t + HOP_S - sent)
-                    self.done += 1
-                    if self.sent < len(self.sequence):
-                        self.transit.append((t + 2 * HOP_S, next_signature(self), t + HOP_S))
-                        self.sent += 1
+                    self._answer(t, sent, next_signature)
                 self.transit.sort()
                 r.busy_until, r.members = None, ()
         if self.idle_since is None and all(r.busy_until is None for r in self.replicas):
             self.idle_since = t
+
+    def _answer(self, t: float, sent: float, next_signature) -> None:
+        """Answer at ``t`` the request sent at ``sent``; its client sends its next one (unsorted
+        into ``transit``: the caller sorts)."""
+        self.latencies.append(t + HOP_S - sent)
+        self.done += 1
+        if self.sent < len(self.sequence):
+            self.transit.append((t + 2 * HOP_S, next_signature(self), t + HOP_S))
+            self.sent += 1
 
     def dispatch(self, signature: int, replica: int, duration_s: float) -> None:
         queue = self.queues[signature]
@@ -215,11 +220,7 @@ class JoinSim(Sim):
         super().advance(t, next_signature)  # arrivals; frees the ended replicas
         while self.answers and self.answers[0][0] <= t + 1e-12:
             _, sent = self.answers.pop(0)
-            self.latencies.append(t + HOP_S - sent)
-            self.done += 1
-            if self.sent < len(self.sequence):
-                self.transit.append((t + 2 * HOP_S, next_signature(self), t + HOP_S))
-                self.sent += 1
+            self._answer(t, sent, next_signature)
         self.transit.sort()
         for r in ended:
             if not r.rows:  # its last rows' decode has ended
