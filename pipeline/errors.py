@@ -133,6 +133,11 @@ class BatchCancelled(Exception):
         super().__init__(f"batch stopped after {steps_done} of {steps} steps")
         self.steps_done, self.steps, self.dropped = steps_done, steps, dict(dropped or {})
 
+    def __reduce__(self):  # a rank > 0 raises it through Ray, which pickles it; Exception's
+        # default re-calls __init__ with the message alone, which fails (the rank group then
+        # saw an unpicklable error, not a consistent stop, and broke the replica)
+        return type(self), (self.steps_done, self.steps, self.dropped)
+
 
 class SharedFailure(RuntimeError):
     """A step every rank of a sequence-parallel replica takes together failed on rank 0 (the

@@ -43,6 +43,9 @@ class AdapterLoadError(RuntimeError):
         self.cause = cause
         self.public = public or type(cause).__name__  # what a client may read (no file paths)
 
+    def __reduce__(self):  # pickled with its fields (Exception's default re-calls __init__ with the message)
+        return type(self), (self.adapter, self.cause, self.public)
+
 
 def lora_state_dict(pipe, path: str) -> dict[str, torch.Tensor]:
     """The transformer part of the LoRA file(s) at ``path``, converted to diffusers/PEFT keys by

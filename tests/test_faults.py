@@ -66,10 +66,13 @@ def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deplo
 
 
 def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
-    """Two requests batched; one caller leaves (its rows are dropped), then the other: the batch
-    stops at a step boundary, both are counted, and the replica's state stays consistent."""
-    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 1}, "limits": {"max_pixels": 256 * 256}},
-                 fresh=True)
+    """Two requests batched on a 2-rank replica; one caller leaves (its rows are dropped), then
+    the other: both ranks stop the batch at the same step boundary (the stop crosses Ray from
+    rank 1 as a pickled ``BatchCancelled``), both requests are counted, the replica is kept
+    (not broken) and its state stays consistent."""
+    url = deploy(SP2, fresh=True)
+    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
+    before = replica_ids(url)
     handle = serve.get_app_handle("ditserve")
     quick = {"prompt": "after", "seed": 5, "num_inference_steps": 3}
     reference = post(url, quick).json()["data"][0]["b64_json"]
@@ -92,6 +95,7 @@ def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
     started = time.monotonic()
     again = post(url, quick)
     assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
+    assert again.json()["ditserve"]["replica"] in before and replica_ids(url) == before  # and kept
     # the replica's state is consistent after the stopped batch: the same request, the same image
     assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
 
