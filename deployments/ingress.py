@@ -113,6 +113,9 @@ class Ingress:
             try:
                 facts = await self._router.model_facts.remote()
             except Exception as exc:
+                error = as_ditserve_error(exc)
+                if isinstance(error, ServiceUnavailableError):  # the Router's own reason (gone, deleted, failed)
+                    raise error from None
                 raise ServiceUnavailableError(f"no replica is ready yet ({type(exc).__name__})",
                                               code="not_ready") from None
             self._limits = facts.limits(self._config["model"]["name"], self._config["limits"], self._loras)

@@ -84,8 +84,9 @@ class DiTReplica:
                  cpu_nice: int = 0):
         os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
-        if startup_fault():
-            raise RuntimeError(startup_fault())
+        fault = startup_fault()
+        if fault:
+            raise RuntimeError(fault)
         acceleration = acceleration or {}
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start

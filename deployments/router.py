@@ -26,6 +26,7 @@ from typing import Callable
 
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
@@ -149,8 +150,22 @@ class Router:
         self._max_batch_priority_wait_s = float(batching.get("max_batch_priority_wait_ms", 30_000)) / 1e3
 
     async def model_facts(self) -> ModelFacts:
+        """The served model's facts (asked of a DiTReplica once, then kept). Waits for a replica
+        while one is starting; raises ``ServiceUnavailableError`` (503 ``unavailable``) when
+        Serve refuses the call because the app is being deleted or no DiTReplica is left and
+        Serve gave up starting one (a new Router of a redeploy whose replicas fail: its
+        Ingress asks this before it validates any request)."""
         if self._facts is None:
-            self._facts = await self._replica.facts.remote()
+            try:
+                self._facts = await self._replica.facts.remote()
+            except DeploymentUnavailableError:
+                await self._answer_queued_if_unservable()  # reads which of the two it is
+                if self._deleting:
+                    raise self._deleted_error(None) from None
+                if self._deploy_failed:
+                    self._reject("deploy_failed")
+                    raise self._deploy_failed_error(None) from None
+                raise
         return self._facts
 
     # -- admission and queues -------------------------------------------------------------
@@ -168,7 +183,7 @@ class Router:
         self._trimmer.busy()
         if self._deploy_failed and not self._replica_count():
             self._reject("deploy_failed")
-            raise self._deploy_failed_error(params)
+            raise self._deploy_failed_error(params.request_id)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         if held >= self._admission_limit():
             self._reject("overloaded")
@@ -294,7 +309,8 @@ class Router:
         lets the running batch finish; expiring every lease then would turn it into a 503.
         With work queued (or dispatched and not yet taken by a replica) while cut off, or while
         the replica set it knew is empty (a delete stops every replica at once; so does a lone
-        replica's death, until its replacement, and a redeploy whose new version fails to start),
+        replica's death, until its replacement, and a redeploy whose new version fails to start;
+        a Router the redeploy replaced too never saw a replica: none known is enough),
         it asks whether its app is being deleted or its replicas failed to deploy
         (:meth:`_answer_queued_if_unservable`): then that work is answered 503 at once instead of
         when the shutdown's timeout kills it, or never.
@@ -304,8 +320,7 @@ class Router:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
-            if self._deploy_failed or (
-                    (self._queued or self._unstarted) and (cut_off or self._replicas_gone(self._replica_count()))):
+            if self._deploy_failed or ((self._queued or self._unstarted) and (cut_off or not self._replica_count())):
                 await self._answer_queued_if_unservable()
             if cut_off:
                 continue
@@ -333,8 +348,9 @@ class Router:
         batch. Running batches still finish. The same when no DiTReplica is left and its
         deployment is ``DEPLOY_FAILED`` (a redeploy whose new version failed to start: Serve
         stopped the old replicas and gives up on the new ones, and its own handles refuse calls
-        with ``DeploymentUnavailableError``); new requests are then refused at admission until a
-        replica is back or the status changes (a new deploy), read again every second.
+        with ``DeploymentUnavailableError``, which :meth:`_run` meets too); new requests are then
+        refused at admission until a replica is back or the status changes (a new deploy: the app
+        ``DEPLOYING``), read again every second.
         Asked at most once a second, only in the states :meth:`_expire_callers` names; a status
         query that fails or takes over ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's
         timeout still answers)."""
@@ -344,7 +360,7 @@ class Router:
             self._deleting = app.status == ApplicationStatus.DELETING
             replicas = app.deployments.get(self._replica.deployment_name)
             self._deploy_failed = (replicas is not None and replicas.status == DeploymentStatus.DEPLOY_FAILED
-                                   and not self._replica_count())
+                                   and app.status != ApplicationStatus.DEPLOYING and not self._replica_count())
         except Exception as exc:  # the controller is busy or going
             logger.debug("app status unavailable: %s", exc)
             return
@@ -360,7 +376,7 @@ class Router:
                 self._answer_deleted(p)
             elif not p.future.done():
                 self._reject("deploy_failed")
-                p.future.set_exception(self._deploy_failed_error(p.params))
+                p.future.set_exception(self._deploy_failed_error(p.params.request_id))
         for dispatch in list(self._unstarted.values()):
             dispatch.cancel()
         if queued or unstarted:
@@ -372,17 +388,22 @@ class Router:
         """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer."""
         if not p.future.done():
             self._reject("app_deleted")
-            p.future.set_exception(ServiceUnavailableError(
-                "the server is shutting down (its app is being deleted) before this request ran; retry "
-                "once it is deployed again", code="unavailable", request_id=p.params.request_id))
+            p.future.set_exception(self._deleted_error(p.params.request_id))
 
-    def _deploy_failed_error(self, params: SamplingParams) -> ServiceUnavailableError:
+    @staticmethod
+    def _deleted_error(request_id: str | None) -> ServiceUnavailableError:
+        """The 503 of a request that arrived or waited while its app is being deleted."""
+        return ServiceUnavailableError("the server is shutting down (its app is being deleted) before this request "
+                                       "ran; retry once it is deployed again", code="unavailable",
+                                       request_id=request_id)
+
+    def _deploy_failed_error(self, request_id: str | None) -> ServiceUnavailableError:
         """The 503 of a request that no replica can run: every one is gone and Serve could not
         start their new version (what failed is in ``serve status``, never in the answer)."""
         return ServiceUnavailableError(
             f"no replica can run this request: the model's replicas ({self._replica.deployment_name}) failed to "
             "deploy and none is left; retry once the app is redeployed", code="unavailable",
-            request_id=params.request_id)
+            request_id=request_id)
 
     def _requeue(self, pending: list[_Pending], batch_id: str, cause: BaseException) -> list[_Pending]:
         """Put back, at the head of their queue, the requests of a batch a replica refused (or
@@ -539,6 +560,10 @@ class Router:
                     if target is not None and target.on_preview is not None and not target.future.done():
                         target.on_preview(event["preview"])
                 elif isinstance(event, dict) and "cancelled_at" in event:  # the replica heard: no caller left
+                    dropped = event.get("dropped") or {}  # rows that left before the batch stopped
+                    for p in pending:
+                        if p.params.request_id in dropped:
+                            self._count_dropped(p, dropped[p.params.request_id])
                     waiting = [p for p in pending if not p.future.done()]
                     if not waiting:
                         saved = event["steps"] - event["cancelled_at"]
@@ -546,10 +571,6 @@ class Router:
                         self._counters["steps_saved"] += saved
                         self._metric_cancelled.inc(tags={"scope": "batch"})
                         self._metric_steps_saved.inc(saved, tags={"scope": "batch"})
-                        dropped = event.get("dropped") or {}  # rows that left before the batch stopped
-                        for p in pending:
-                            if p.params.request_id in dropped:
-                                self._count_dropped(p, dropped[p.params.request_id])
                     for p in waiting:  # it asked another Router (a redeploy's new one), which did not know them
                         self._reject("batch_stopped")
                         p.future.set_exception(ServiceUnavailableError(
@@ -590,11 +611,19 @@ class Router:
             raise
         except Exception as exc:  # answer every request of the failed batch
             cause = getattr(exc, "cause", None) or exc
-            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError,
+                                                  DeploymentUnavailableError)):
                 chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again
                 pending = self._requeue(pending, batch.batch_id, cause)
+                if isinstance(cause, DeploymentUnavailableError):
+                    # Serve's handle refuses every call: its app is being deleted, or no DiTReplica
+                    # is left and Serve gave up starting one. The status says which; it answers the
+                    # requeued requests (and the rest of the queues) 503 with that reason.
+                    self._running.pop(batch.batch_id, None)
+                    self._unstarted.pop(batch.batch_id, None)
+                    await self._answer_queued_if_unservable()
             if pending:
                 self._counters["failed_batches"] += 1
                 logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)

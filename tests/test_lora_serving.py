@@ -131,7 +131,7 @@ def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None) -> Non
     deployments = [{"name": name, "user_config": config} for name, config in (user_configs or {}).items()]
     deploy_config(ServeDeploySchema.model_validate({"applications": [
         {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
-         **({"deployments": deployments} if deployments else {})}]}))
+         **({"deployments": deployments} if deployments else {})}]}), wait_running=False)
     wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
 
 

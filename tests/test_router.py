@@ -381,5 +381,15 @@ def test_a_redeploy_whose_replicas_fail_to_start_answers_503_at_once(ray_cluster
         assert after["router_replica"] == router and after["counters"]["rejected_deploy_failed"] >= 2
         _deploy_config(one, one["batching"], [{**broken, "ray_actor_options": {"num_cpus": 1}}])
         assert post(url, {"prompt": "fixed", "seed": 4, **FAST}).status_code == 200
+        # a redeploy that changes args replaces the Router (and Ingress) too: the new Router never
+        # saw a replica, and still answers 503 instead of waiting for one (or failing the batch 500)
+        changed = {**one, "batching": {**one["batching"], "max_wait_ms": one["batching"].get("max_wait_ms", 10) + 1}}
+        _deploy_config(changed, one["batching"], [broken], running=False)
+        wait_until(lambda: serve.status().applications["ditserve"].status == "DEPLOY_FAILED", timeout=120)
+        r = post(url, {"prompt": "new router", "seed": 5, **FAST}, timeout=30)
+        assert r.status_code == 503 and "failed to deploy" in r.json()["error"]["message"], r.text
+        replaced = stats(url)
+        assert replaced["router_replica"] != router and replaced["counters"]["rejected_deploy_failed"] >= 1
+        assert not replaced["counters"].get("failed_batches") and not replaced["counters"].get("rejected_batch_failed")
     finally:
         serve.delete("ditserve")
