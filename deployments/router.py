@@ -56,6 +56,7 @@ MAX_REQUEUES = 2
 CALLER_LEASE_S = 5.0
 # Longest wait for the controller's app status (Router._answer_queued_if_unservable).
 STATUS_TIMEOUT_S = 2.0
+STATUS_MIN_INTERVAL_S = 1.0  # the app's status is read at most this often
 
 
 @dataclass(eq=False)
@@ -111,6 +112,10 @@ class Router:
         self._saw_replicas = False  # the replica set has been known (non-empty) at least once
         self._deleting = False  # its app read DELETING: nothing more is dispatched
         self._deploy_failed = False  # no DiTReplica left and Serve gave up starting one (DEPLOY_FAILED)
+        self._unservable = asyncio.Event()  # set while one of the two above holds
+        self._status_read: asyncio.Task | None = None  # the serve.status() read in flight
+        self._status_read_at = -float("inf")  # when the last one ended (monotonic)
+        self._facts_waiting = 0  # model_facts calls waiting for a DiTReplica to answer
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -151,22 +156,38 @@ class Router:
 
     async def model_facts(self) -> ModelFacts:
         """The served model's facts (asked of a DiTReplica once, then kept). Waits for a replica
-        while one is starting; raises ``ServiceUnavailableError`` (503 ``unavailable``) when
-        Serve refuses the call because the app is being deleted or no DiTReplica is left and
-        Serve gave up starting one (a new Router of a redeploy whose replicas fail: its
-        Ingress asks this before it validates any request)."""
-        if self._facts is None:
-            try:
-                self._facts = await self._replica.facts.remote()
-            except DeploymentUnavailableError:
-                await self._answer_queued_if_unservable()  # reads which of the two it is
-                if self._deleting:
-                    raise self._deleted_error(None) from None
-                if self._deploy_failed:
-                    self._reject("deploy_failed")
-                    raise self._deploy_failed_error(None) from None
-                raise
-        return self._facts
+        while one is starting; raises ``ServiceUnavailableError`` (503 ``unavailable``) when the
+        app is being deleted or no DiTReplica is left and Serve gave up starting one, also for a
+        call already waiting when that is found (a new Router of a redeploy whose replicas
+        fail: its Ingress asks this before it validates any request)."""
+        if self._facts is not None:
+            return self._facts
+        self._refuse_if_unservable(None)
+        self._start_loops()  # their status watch answers this call too, should the replicas fail
+        response = self._replica.facts.remote()
+        call = asyncio.ensure_future(response)
+        unservable = asyncio.ensure_future(self._unservable.wait())
+        self._facts_waiting += 1
+        try:
+            while True:
+                await asyncio.wait({call, unservable}, return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    break
+                self._refuse_if_unservable(None)  # the status watch found it unservable
+                unservable.cancel()  # not now (a replica is back): wait on, the flag is read again
+                await asyncio.wait({call}, timeout=STATUS_MIN_INTERVAL_S)
+                unservable = asyncio.ensure_future(self._unservable.wait())
+            if isinstance(call.exception(), DeploymentUnavailableError):  # Serve refuses the call: read why
+                await self._answer_queued_if_unservable()
+                self._refuse_if_unservable(None)
+            self._facts = call.result()  # raises the refusal when the status said nothing (or was unread)
+            return self._facts
+        finally:
+            self._facts_waiting -= 1
+            unservable.cancel()
+            if not call.done():
+                call.cancel()
+                response.cancel()
 
     # -- admission and queues -------------------------------------------------------------
     def _admission_limit(self) -> int:
@@ -181,25 +202,37 @@ class Router:
         while no DiTReplica is left and Serve has given up starting one
         (:meth:`_answer_queued_if_unservable`), counting the rejection."""
         self._trimmer.busy()
-        if self._deploy_failed and not self._replica_count():
-            self._reject("deploy_failed")
-            raise self._deploy_failed_error(params.request_id)
+        self._refuse_if_unservable(params.request_id)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         if held >= self._admission_limit():
             self._reject("overloaded")
             raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
                                   code="overloaded", request_id=params.request_id)
 
-    def _enqueue(self, params: SamplingParams, on_progress=None, caller: str | None = None,
-                 on_preview=None) -> _Pending:
-        """Put an admitted request in its signature's queue (no await: admission and queueing
-        are one step of the event loop)."""
+    def _start_loops(self) -> None:
+        """Start the scheduler and the lease / status watch, once (on the first call that needs them)."""
         if self._scheduler is None:
             loop = asyncio.get_running_loop()
             # A fresh context: the tasks outlive the request that happens to start them, and Serve
             # cancels the calls a request made (the batches!) when that request is cancelled.
             self._scheduler = loop.create_task(self._schedule(), context=contextvars.Context())
             loop.create_task(self._expire_callers(), context=contextvars.Context())
+
+    def _refuse_if_unservable(self, request_id: str | None) -> None:
+        """Raise (and count) the 503 of a request that comes while the app is being deleted or
+        while no DiTReplica is left and Serve gave up starting one, as last read."""
+        if self._deleting:
+            self._reject("app_deleted")
+            raise self._deleted_error(request_id)
+        if self._deploy_failed and not self._replica_count():
+            self._reject("deploy_failed")
+            raise self._deploy_failed_error(request_id)
+
+    def _enqueue(self, params: SamplingParams, on_progress=None, caller: str | None = None,
+                 on_preview=None) -> _Pending:
+        """Put an admitted request in its signature's queue (no await: admission and queueing
+        are one step of the event loop)."""
+        self._start_loops()
         signature = BatchSignature.of(params)
         pending = _Pending(params, signature, asyncio.get_running_loop().create_future(), on_progress=on_progress,
                            caller=caller, on_preview=on_preview)
@@ -311,7 +344,8 @@ class Router:
         the replica set it knew is empty (a delete stops every replica at once; so does a lone
         replica's death, until its replacement, and a redeploy whose new version fails to start;
         a Router the redeploy replaced too never saw a replica: none known is enough),
-        it asks whether its app is being deleted or its replicas failed to deploy
+        it asks whether its app is being deleted or its replicas failed to deploy (also for
+        ``model_facts`` calls waiting for a replica)
         (:meth:`_answer_queued_if_unservable`): then that work is answered 503 at once instead of
         when the shutdown's timeout kills it, or never.
         The cost: the requests of a sole Ingress replica that died stay until its replacement
@@ -320,7 +354,8 @@ class Router:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
-            if self._deploy_failed or ((self._queued or self._unstarted) and (cut_off or not self._replica_count())):
+            waiting = self._queued or self._unstarted or self._facts_waiting
+            if self._deploy_failed or (waiting and (cut_off or not self._replica_count())):
                 await self._answer_queued_if_unservable()
             if cut_off:
                 continue
@@ -351,9 +386,35 @@ class Router:
         with ``DeploymentUnavailableError``, which :meth:`_run` meets too); new requests are then
         refused at admission until a replica is back or the status changes (a new deploy: the app
         ``DEPLOYING``), read again every second.
-        Asked at most once a second, only in the states :meth:`_expire_callers` names; a status
-        query that fails or takes over ``STATUS_TIMEOUT_S`` changes nothing (the shutdown's
-        timeout still answers)."""
+        Waiting ``model_facts`` calls are answered the same way. The status is read by one call
+        at a time, at most once a second (others use the last read): in the states
+        :meth:`_expire_callers` names, and when Serve refuses a call (``model_facts``, a
+        dispatch); a status query that fails or takes over ``STATUS_TIMEOUT_S`` changes nothing
+        (the shutdown's timeout still answers)."""
+        if self._status_read is None:
+            if time.monotonic() - self._status_read_at >= STATUS_MIN_INTERVAL_S:
+                self._status_read = asyncio.ensure_future(self._read_status())
+        if self._status_read is not None:
+            await asyncio.shield(self._status_read)
+        if not (self._deleting or self._deploy_failed):
+            return
+        queued = [p for q in self._queues.values() for p in q]
+        for p in queued:
+            self._forget(p)
+        # dispatched, but no replica took them (they would wait in Serve's handle for one)
+        unstarted = [p for batch_id in self._unstarted for p in self._running.get(batch_id, ())]
+        for p in queued + unstarted:
+            self._answer_unservable(p)
+        for dispatch in list(self._unstarted.values()):
+            dispatch.cancel()
+        if queued or unstarted:
+            logger.warning("app %s %s: %d queued and %d dispatched, not started requests answered 503",
+                           self._replica.app_name, "is being deleted" if self._deleting else
+                           f"has no {self._replica.deployment_name} left (DEPLOY_FAILED)", len(queued), len(unstarted))
+
+    async def _read_status(self) -> None:
+        """Read the app's status into ``_deleting`` / ``_deploy_failed`` (see
+        :meth:`_answer_queued_if_unservable`); a failed read leaves them as they were."""
         try:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
             app = status.applications[self._replica.app_name]
@@ -363,26 +424,21 @@ class Router:
                                    and app.status != ApplicationStatus.DEPLOYING and not self._replica_count())
         except Exception as exc:  # the controller is busy or going
             logger.debug("app status unavailable: %s", exc)
-            return
-        if not (self._deleting or self._deploy_failed):
-            return
-        queued = [p for q in self._queues.values() for p in q]
-        for p in queued:
-            self._forget(p)
-        # dispatched, but no replica took them (they would wait in Serve's handle for one)
-        unstarted = [p for batch_id in self._unstarted for p in self._running.get(batch_id, ())]
-        for p in queued + unstarted:
-            if self._deleting:
-                self._answer_deleted(p)
-            elif not p.future.done():
-                self._reject("deploy_failed")
-                p.future.set_exception(self._deploy_failed_error(p.params.request_id))
-        for dispatch in list(self._unstarted.values()):
-            dispatch.cancel()
-        if queued or unstarted:
-            logger.warning("app %s %s: %d queued and %d dispatched, not started requests answered 503",
-                           self._replica.app_name, "is being deleted" if self._deleting else
-                           f"has no {self._replica.deployment_name} left (DEPLOY_FAILED)", len(queued), len(unstarted))
+        finally:
+            if self._deleting or self._deploy_failed:
+                self._unservable.set()
+            else:
+                self._unservable.clear()
+            self._status_read, self._status_read_at = None, time.monotonic()
+
+    def _answer_unservable(self, p: _Pending) -> None:
+        """Answer ``p`` 503 ``unavailable``, unless it has its answer: its app is being deleted,
+        else no DiTReplica can run it (failed to deploy)."""
+        if self._deleting:
+            self._answer_deleted(p)
+        elif not p.future.done():
+            self._reject("deploy_failed")
+            p.future.set_exception(self._deploy_failed_error(p.params.request_id))
 
     def _answer_deleted(self, p: _Pending) -> None:
         """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer."""
@@ -611,19 +667,20 @@ class Router:
             raise
         except Exception as exc:  # answer every request of the failed batch
             cause = getattr(exc, "cause", None) or exc
-            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError,
-                                                  DeploymentUnavailableError)):
+            if isinstance(cause, DeploymentUnavailableError):
+                # Serve's handle refuses every call: its app is being deleted, or no DiTReplica is
+                # left and Serve gave up starting one. Not requeued (it would be refused again):
+                # 503, with the reason the status gives (it also answers the queues)
+                self._unstarted.pop(batch.batch_id, None)
+                await self._answer_queued_if_unservable()
+                for p in pending:
+                    self._answer_unservable(p)
+                pending = []
+            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
                 chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again
                 pending = self._requeue(pending, batch.batch_id, cause)
-                if isinstance(cause, DeploymentUnavailableError):
-                    # Serve's handle refuses every call: its app is being deleted, or no DiTReplica
-                    # is left and Serve gave up starting one. The status says which; it answers the
-                    # requeued requests (and the rest of the queues) 503 with that reason.
-                    self._running.pop(batch.batch_id, None)
-                    self._unstarted.pop(batch.batch_id, None)
-                    await self._answer_queued_if_unservable()
             if pending:
                 self._counters["failed_batches"] += 1
                 logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)

@@ -385,9 +385,20 @@ def test_a_redeploy_whose_replicas_fail_to_start_answers_503_at_once(ray_cluster
         # saw a replica, and still answers 503 instead of waiting for one (or failing the batch 500)
         changed = {**one, "batching": {**one["batching"], "max_wait_ms": one["batching"].get("max_wait_ms", 10) + 1}}
         _deploy_config(changed, one["batching"], [broken], running=False)
-        wait_until(lambda: serve.status().applications["ditserve"].status == "DEPLOY_FAILED", timeout=120)
-        r = post(url, {"prompt": "new router", "seed": 5, **FAST}, timeout=30)
-        assert r.status_code == 503 and "failed to deploy" in r.json()["error"]["message"], r.text
+
+        def new_router() -> bool:
+            try:
+                return stats(url)["router_replica"] != router
+            except Exception:  # the Ingress is being replaced
+                return False
+
+        wait_until(new_router, timeout=120)
+        with ThreadPoolExecutor(1) as pool:  # (most likely) while the new DiTReplica still tries to start:
+            early = pool.submit(post, url, {"prompt": "early", "seed": 5, **FAST}, 120)  # waits for a replica
+            wait_until(lambda: serve.status().applications["ditserve"].status == "DEPLOY_FAILED", timeout=120)
+            answers = [early.result(timeout=30), post(url, {"prompt": "late", "seed": 6, **FAST}, timeout=30)]
+        for r in answers:
+            assert r.status_code == 503 and "failed to deploy" in r.json()["error"]["message"], r.text
         replaced = stats(url)
         assert replaced["router_replica"] != router and replaced["counters"]["rejected_deploy_failed"] >= 1
         assert not replaced["counters"].get("failed_batches") and not replaced["counters"].get("rejected_batch_failed")
