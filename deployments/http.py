@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.proxy import admission_header
+from deployments.proxy import BODY_SCOPE_KEY, admission_header
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
                              PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
 
@@ -121,11 +121,17 @@ def media_type(request: Request) -> str:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, at most ``limit`` bytes: a larger ``Content-Length`` is refused before
-    reading, a longer stream as soon as it passes the limit. Raises ``PayloadTooLargeError``."""
+    reading, a longer stream as soon as it passes the limit. A small body the proxy sent in the
+    scope (``deployments.proxy.BodyInScope``) is taken from there. Raises ``PayloadTooLargeError``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body of {int(declared)} bytes; at most {limit} are accepted",
                                    param="body", code="body_too_large")
+    sent = request.scope.get(BODY_SCOPE_KEY)
+    if isinstance(sent, bytes):
+        if len(sent) > limit:
+            raise PayloadTooLargeError(f"request body over {limit} bytes", param="body", code="body_too_large")
+        return sent
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

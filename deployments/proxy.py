@@ -23,6 +23,12 @@ bursts: one ran 111 ms in the middle of ``bench/overload.py``'s burst, with a re
 (the slow refusals were exactly those that came during it); deferred to idle moments, p99 5-18 ms
 in 14 of 15 runs.
 
+:class:`BodyInScope` sends a small request body (at most :data:`BODY_IN_SCOPE_MAX_BYTES`, with a
+``Content-Length``) to the Ingress inside the request's ASGI scope. Serve's proxy otherwise sends
+the scope alone, and the Ingress's first read of the body is a call back to the proxy (a named
+actor lookup, then an RPC: ~2-4 ms of every generation request on the 2-core development machine,
+``bench/overhead.py``); larger bodies (uploads) keep that path.
+
 Serve loads it in the proxy process from the environment variable
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy:middlewares`` (read when the
 proxy starts: set it where the Ray cluster starts; ``ditserve serve``, the tests and the
@@ -51,6 +57,15 @@ FULL_COLLECTION_IDLE_S = 1.0
 # ... or, under load that never pauses, after this many generation-1 collections (Python's
 # threshold2; its default, 10, ran one every few hundred requests during a burst)
 MAX_DEFERRED_GEN1_COLLECTIONS = 1000
+# The largest body the proxy reads and sends inside the scope (bytes): every JSON generation
+# request (a prompt and its knobs: well under 16 KiB); bigger ones, uploads, are fetched by the
+# Ingress as Serve does.
+BODY_IN_SCOPE_MAX_BYTES = 64 * 1024
+# The scope key the body travels in (``deployments.http.read_body`` reads it).
+BODY_SCOPE_KEY = "ditserve.body"
+# A client still sending its small body after this long (seconds) is passed on as it is, the rest
+# left to Serve's path, as without this middleware.
+BODY_READ_TIMEOUT_S = 5.0
 
 # status -> (type, code, message) of the envelope the proxy's own errors become
 _ERRORS = {
@@ -228,11 +243,51 @@ class IdleFullCollection:
                 self.timer = asyncio.get_running_loop().call_later(FULL_COLLECTION_IDLE_S, self.collect_if_idle)
 
 
+class BodyInScope:
+    """ASGI middleware: an HTTP request whose ``Content-Length`` is at most
+    :data:`BODY_IN_SCOPE_MAX_BYTES` has its body read here and sent on in
+    ``scope[BODY_SCOPE_KEY]`` (bytes), so the Ingress need not call back to the proxy for it.
+    The body is replayed to Serve too (its ``receive`` gives the same messages, then the
+    client's disconnect as before). A client that leaves while sending it, or is still sending
+    after :data:`BODY_READ_TIMEOUT_S`, is passed on as received, without the scope's body (the
+    Ingress reads it as Serve's path gives it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        declared = dict(scope.get("headers") or ()).get(b"content-length") if scope["type"] == "http" else None
+        if declared is None or not declared.isdigit() or int(declared) > BODY_IN_SCOPE_MAX_BYTES:
+            await self.app(scope, receive, send)
+            return
+        messages, chunks, complete = [], [], False
+        try:
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                while not complete:
+                    message = await receive()
+                    messages.append(message)
+                    if message["type"] != "http.request":  # the client left: Serve sees it as it would have
+                        break
+                    chunks.append(message.get("body", b""))
+                    complete = not message.get("more_body", False)
+        except TimeoutError:  # a slow client: the rest of its body comes through Serve's path
+            pass
+        body = b"".join(chunks)
+        if complete and len(body) == int(declared):
+            scope = {**scope, BODY_SCOPE_KEY: body}
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def middlewares() -> list[Middleware]:
     """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares (the
     collector outermost, seeing every request; then the envelope, so the gate's own answers and
-    Serve's pass through it)."""
-    return [Middleware(IdleFullCollection), Middleware(OpenAIErrorEnvelope), Middleware(AdmissionGate)]
+    Serve's pass through it; the body is read only for a request the gate lets through)."""
+    return [Middleware(IdleFullCollection), Middleware(OpenAIErrorEnvelope), Middleware(AdmissionGate),
+            Middleware(BodyInScope)]
 
 
 def install(environ=os.environ) -> None:

@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI, Request
 from openai import AuthenticationError, OpenAI
 
-from deployments.proxy import (AdmissionGate, IdleFullCollection, OpenAIErrorEnvelope, admission_header,
-                               parse_admission)
+from deployments.proxy import (BODY_SCOPE_KEY, AdmissionGate, BodyInScope, IdleFullCollection, OpenAIErrorEnvelope,
+                               admission_header, parse_admission)
 from tests.helpers import TINY_ARGS
 
 pytestmark = pytest.mark.slow
@@ -232,6 +232,108 @@ def test_the_proxy_collects_garbage_fully_only_when_idle(monkeypatch):
         asyncio.run(run())
     finally:
         gc.set_threshold(*before)
+
+
+async def _echo(scope, receive, send):
+    """An ASGI app answering what reached it: the body the scope carries (or null) and the body read."""
+    import json
+
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    sent = scope.get(BODY_SCOPE_KEY)
+    body = json.dumps({"in_scope": None if sent is None else sent.decode(), "read": b"".join(chunks).decode()})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+def test_the_proxy_sends_small_bodies_in_the_scope(monkeypatch):
+    """``BodyInScope``: a body with a Content-Length up to BODY_IN_SCOPE_MAX_BYTES travels in the
+    scope (and is still replayed to ``receive``); a bigger one, one without a length (chunked) and
+    a client still sending after BODY_READ_TIMEOUT_S pass as before; ``read_body`` takes the
+    scope's body under the same cap as a read one (413 beyond it)."""
+    from deployments import proxy
+    from deployments.http import read_body
+    from pipeline.errors import PayloadTooLargeError
+
+    monkeypatch.setattr(proxy, "BODY_IN_SCOPE_MAX_BYTES", 100)
+    monkeypatch.setattr(proxy, "BODY_READ_TIMEOUT_S", 0.2)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(BodyInScope(_echo)), base_url="http://t") as c:
+            small = await c.post("/v1/images/generations", content=b'{"prompt": "a"}')
+            assert small.json() == {"in_scope": '{"prompt": "a"}', "read": '{"prompt": "a"}'}
+            big = await c.post("/v1/images/generations", content=b"x" * 101)
+            assert big.json() == {"in_scope": None, "read": "x" * 101}
+
+            async def chunked():
+                yield b"ab"
+                yield b"cd"
+
+            streamed = await c.post("/v1/images/generations", content=chunked())
+            assert streamed.json() == {"in_scope": None, "read": "abcd"}
+
+        # a slow client: the part read so far, then the rest through the original receive
+        parts = [{"type": "http.request", "body": b"ab", "more_body": True},
+                 {"type": "http.request", "body": b"cd", "more_body": False}]
+        gate = asyncio.Event()
+
+        async def receive():
+            if len(parts) == 1:
+                await gate.wait()
+            return parts.pop(0)
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.4, gate.set)
+        scope = {"type": "http", "method": "POST", "path": "/v1/images/generations",
+                 "headers": [(b"content-length", b"4")]}
+        await BodyInScope(_echo)(scope, receive, send)
+        import json
+
+        assert json.loads(sent[1]["body"]) == {"in_scope": None, "read": "abcd"}
+
+        from starlette.requests import Request
+
+        async def nothing():
+            raise AssertionError("read_body used the scope's body")
+
+        request = Request({"type": "http", "headers": [], BODY_SCOPE_KEY: b"x" * 50}, nothing)
+        assert await read_body(request, 50) == b"x" * 50
+        with pytest.raises(PayloadTooLargeError):
+            await read_body(request, 49)
+
+    asyncio.run(run())
+
+
+def test_small_bodies_reach_the_ingress_in_the_scope_through_serve(ray_cluster):
+    """Through Serve's real proxy (whose middlewares the test cluster installs): the body of a
+    generation request arrives in the Ingress's scope, an upload-sized one through Serve's own
+    path, both intact."""
+    from ray import serve
+
+    from deployments.proxy import BODY_IN_SCOPE_MAX_BYTES
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Echo:
+        async def __call__(self, request: Request):
+            return {"in_scope": request.scope.get(BODY_SCOPE_KEY) is not None, "read": len(await request.body())}
+
+    serve.run(Echo.bind(), name="scope-probe", route_prefix="/scope-probe")
+    try:
+        url = f"{ray_cluster['url']}/scope-probe"
+        small = httpx.post(url, json={"prompt": "a red circle"}, timeout=60).json()
+        assert small == {"in_scope": True, "read": len(b'{"prompt":"a red circle"}')}
+        big = httpx.post(url, content=b"x" * (BODY_IN_SCOPE_MAX_BYTES + 1), timeout=60).json()
+        assert big == {"in_scope": False, "read": BODY_IN_SCOPE_MAX_BYTES + 1}
+    finally:
+        serve.delete("scope-probe")
 
 
 def test_a_batch_key_defaults_its_requests_to_batch_priority():
