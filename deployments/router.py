@@ -676,7 +676,7 @@ class Router:
                 for p in pending:
                     self._answer_unservable(p)
                 pending = []
-            if not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+            elif not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
                 chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again
