@@ -27,7 +27,7 @@ from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGen
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import adapter_model_id
 from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
-from pipeline.errors import InvalidRequestError, ServiceUnavailableError
+from pipeline.errors import InternalError, InvalidRequestError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.wire import GenerationMetadata
 
@@ -129,7 +129,8 @@ class Ingress:
         ``OverloadedError``, ``ServiceUnavailableError`` or ``InternalError``.
         """
         started = time.perf_counter()
-        return await self._answer(await self._image_params(request, streamed=False), started)
+        params, _ = await self._image_params(request, streamed=False)
+        return await self._answer(params, started)
 
     async def edit(self, request: ImageEditRequest | dict) -> ImageGenerationResponse:
         """Edit images for one request (same contract as ``POST /v1/images/edits``; ``image``
@@ -137,13 +138,15 @@ class Ingress:
         editing on a FLUX.1 Kontext model. Raises as ``generate`` does; a bad upload is an
         ``InvalidRequestError`` naming ``image`` or ``mask``."""
         started = time.perf_counter()
-        return await self._answer(await self._image_params(request, streamed=False, edit=True), started)
+        params, _ = await self._image_params(request, streamed=False, edit=True)
+        return await self._answer(params, started)
 
     async def edit_stream(self, request: ImageEditRequest | dict):
-        """``edit`` with OpenAI's image streaming events (``stream: true``), as ``generate_stream``."""
+        """``edit`` with OpenAI's image streaming events (``stream: true``), as ``generate_stream``
+        does, typed ``image_edit.partial_image`` and ``image_edit.completed`` (OpenAI's edit events)."""
         started = time.perf_counter()
-        params = await self._image_params(request, streamed=True, edit=True)
-        async for event in self._events(params, started):
+        params, _ = await self._image_params(request, streamed=True, edit=True)
+        async for event in self._events(params, started, edit=True):
             yield event
 
     async def _answer(self, params: SamplingParams, started: float) -> ImageGenerationResponse:
@@ -158,61 +161,92 @@ class Ingress:
             output_format=params.output_format,
             ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
 
-    async def _image_params(self, request, *, streamed: bool, edit: bool = False) -> SamplingParams:
-        """Validate and resolve an image request for ``generate`` / ``edit`` (``streamed=False``)
-        or their ``_stream`` methods; a request's ``stream`` must match the method it reached.
-        An edit's uploads are decoded off the event loop (Pillow)."""
+    async def _image_params(self, request, *, streamed: bool | None,
+                            edit: bool = False) -> tuple[SamplingParams, bool]:
+        """Validate and resolve an image request for ``generate`` / ``edit`` (``streamed=False``),
+        their ``_stream`` methods (``True``) or an HTTP route (``None``: either); returns the
+        params and whether the request streams (its ``stream``, given at the top level or in
+        ``extra_body``: read after validation merged them). An edit's uploads are decoded off the
+        event loop (Pillow), after the ``stream`` check."""
         limits = await self._serving_limits()
         self._started()
         validated = (validate_edit_request if edit else validate_image_request)(request, limits)
-        if validated.stream != streamed:
+        if streamed is not None and validated.stream != streamed:
             method = "edit" if edit else "generate"
             raise InvalidRequestError(f"stream: true is answered by {method}_stream (HTTP: the same route), stream: "
                                       f"false by {method}", param="stream", code="invalid_value")
         if edit:
-            return await asyncio.to_thread(resolve_edit, validated, limits, self._defaults)
-        return resolve(validated, limits, self._defaults)
+            return await asyncio.to_thread(resolve_edit, validated, limits, self._defaults), validated.stream
+        return resolve(validated, limits, self._defaults), validated.stream
 
     async def generate_stream(self, request: ImageGenerationRequest | dict):
         """OpenAI's image streaming (``stream: true``): an async generator (call it through
         ``handle.options(stream=True)``) of event dicts: ``partial_images`` events of type
         ``image_generation.partial_image`` (``b64_json``, ``partial_image_index``, ``size``,
         ``output_format``, ``created_at``), then one ``image_generation.completed`` with the
-        image and the ``ditserve`` metadata. Bad input raises as ``generate`` does, before any
-        event; a failure after that is an ``error`` event carrying OpenAI's error object."""
+        image and the ``ditserve`` metadata. A failure before the first event (bad input, a
+        refusal, ``timeout_s`` passed in the queue) raises as ``generate`` does; a failure after
+        it is an ``error`` event carrying OpenAI's error object."""
         started = time.perf_counter()
-        params = await self._image_params(request, streamed=True)
+        params, _ = await self._image_params(request, streamed=True)
         async for event in self._events(params, started):
             yield event
 
-    async def _events(self, params: SamplingParams, started: float):
+    async def _events(self, params: SamplingParams, started: float, *, edit: bool = False):
+        """The events of one streamed request (types ``image_generation.*``, or ``image_edit.*``
+        for an edit); raises the ditserve error of a failure before the first event."""
+        kind = "image_edit" if edit else "image_generation"
         common = {"size": f"{params.width}x{params.height}", "output_format": params.output_format,
                   "quality": "auto", "background": "opaque"}
         self._waiting += 1
-        stream, finished = None, False
+        stream, finished, sent, event = None, False, 0, {"type": ""}
         try:
             stream = self._router.options(stream=True).submit_stream.remote(params, self._caller)
             async for item in stream:
                 if isinstance(item, dict):
                     preview = item["preview"]
-                    yield {"type": "image_generation.partial_image", "created_at": int(time.time()),
-                           "b64_json": base64.b64encode(preview["images"][0]).decode("ascii"),
-                           "partial_image_index": preview["partial_image_index"], **common}
+                    event = {"type": f"{kind}.partial_image", "created_at": int(time.time()),
+                             "b64_json": base64.b64encode(preview["images"][0]).decode("ascii"),
+                             "partial_image_index": preview["partial_image_index"], **common}
                 else:
                     meta = GenerationMetadata.of(item, total_ms=(time.perf_counter() - started) * 1e3)
-                    yield {"type": "image_generation.completed", "created_at": int(time.time()),
-                           "b64_json": base64.b64encode(item.images[0]).decode("ascii"), **common,
-                           "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                                     "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
-                           "ditserve": meta.model_dump()}
+                    event = {"type": f"{kind}.completed", "created_at": int(time.time()),
+                             "b64_json": base64.b64encode(item.images[0]).decode("ascii"), **common,
+                             "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                       "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
+                             "ditserve": meta.model_dump()}
+                sent += 1
+                yield event
+            if not event["type"].endswith(".completed"):  # every accepted request gets one answer
+                raise InternalError("the request's stream ended before its image")
             finished = True
-        except Exception as exc:  # noqa: BLE001 - answered as OpenAI's stream error event
+        except Exception as exc:  # noqa: BLE001 - answered as OpenAI's stream error event once an event went out
             finished = True
-            yield {"type": "error", **as_ditserve_error(exc).to_envelope()}
+            error = as_ditserve_error(exc)
+            if not sent:
+                raise error from None
+            yield {"type": "error", **error.to_envelope()}
         finally:
             self._waiting -= 1
             if stream is not None and not finished:  # the client left: the Router drops the request
                 stream.cancel()
+
+    async def _http_image(self, body, *, edit: bool):
+        """An image route's answer: the JSON response, or (``stream: true``) Server-Sent Events
+        once the first event is there, so that a failure before it (a refusal, ``timeout_s``)
+        is the usual JSON envelope with its HTTP status (and ``Retry-After``)."""
+        started = time.perf_counter()
+        params, streamed = await self._image_params(body, streamed=None, edit=edit)
+        if not streamed:
+            return (await self._answer(params, started)).model_dump()
+        events = self._events(params, started, edit=edit)
+        first = await anext(events)  # raises the error answered as the envelope
+
+        async def all_events():
+            yield first
+            async for event in events:
+                yield event
+        return sse(all_events())
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
         """Create a video job (same contract as ``POST /v1/videos``) and return it at once.
@@ -271,20 +305,13 @@ class Ingress:
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
     async def http_generate(self, request: Request):
         body = key_default_priority(await json_body(request, self._max_json_bytes), request)
-        if isinstance(body, dict) and body.get("stream") is True:  # validated (and refused) before streaming
-            started = time.perf_counter()
-            return sse(self._events(await self._image_params(body, streamed=True), started))
-        return (await self.generate(body)).model_dump()
+        return await self._http_image(body, edit=False)
 
     @api.post("/v1/images/edits", openapi_extra=request_body(ImageEditRequest, forms=True))
     async def http_edit(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=EDIT_FILES,
                                        json=False)
-        body = key_default_priority(body, request)
-        if body.get("stream") is True:  # validated (and refused) before streaming
-            started = time.perf_counter()
-            return sse(self._events(await self._image_params(body, streamed=True, edit=True), started))
-        return (await self.edit(body)).model_dump()
+        return await self._http_image(key_default_priority(body, request), edit=True)
 
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
     async def http_create_video(self, request: Request):

@@ -90,8 +90,21 @@ def test_an_edit_streams_previews_through_the_sdk(url):
     client = openai_client(url)
     events = list(client.images.edit(image=("in.png", RED_CIRCLE), prompt="a blue square", stream=True,
                                      partial_images=2, extra_body={"seed": 3}))
-    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]  # OpenAI's
+    assert [type(e).__name__ for e in events] == ["ImageEditPartialImageEvent"] * 2 + ["ImageEditCompletedEvent"]
     assert "image_to_image" in events[-1].model_extra["ditserve"]["signature"]
+
+
+def test_an_edit_streams_when_stream_is_given_in_extra_body(url):
+    """``extra_body[stream]=true`` (a form's nested field) streams as ``stream=true`` does: the
+    route decides after the request's fields are merged (it was a 400 'answered by edit_stream')."""
+    form = {"prompt": "a blue square", "seed": "3", "extra_body[stream]": "true", "extra_body[partial_images]": "1"}
+    with httpx.stream("POST", f"{url}/v1/images/edits", data=form, files={"image": ("in.png", RED_CIRCLE, "image/png")},
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        kinds = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+    assert kinds == ["image_edit.partial_image", "image_edit.completed"]
 
 
 def test_edits_batch_with_each_other_and_equal_each_run_alone(url):

@@ -3,11 +3,13 @@ real Ray Serve and the OpenAI SDK, and the handle's generate_stream."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
-from openai import BadRequestError
+from openai import BadRequestError, InternalServerError
 from ray import serve
 
+from pipeline.errors import RequestTimeoutError
 from pipeline.loop import preview_steps
 from pipeline.runner import BatchRunner
 from tests.helpers import TINY_ARGS, batch_of, flux_params, openai_client, pixels, post
@@ -83,6 +85,36 @@ def test_bad_streaming_fields_are_400_before_any_event(url, client, fields, para
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     with pytest.raises(BadRequestError):
         client.images.generate(prompt="a", extra_body=fields)
+
+
+@pytest.mark.slow
+def test_stream_given_in_extra_body_streams(url):
+    """``stream`` nested in ``extra_body`` streams as a top-level one does (the route decides
+    after validation merged them; it was a 400 'answered by generate_stream')."""
+    body = {"prompt": "a red circle", "size": "64x64", **BODY, "extra_body": {"stream": True, "partial_images": 1}}
+    with httpx.stream("POST", f"{url}/v1/images/generations", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        kinds = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+    assert kinds == ["image_generation.partial_image", "image_generation.completed"]
+
+
+@pytest.mark.slow
+def test_a_failure_before_the_first_event_is_the_json_envelope_with_its_status(url, client):
+    """A request that fails before its first event (here ``timeout_s`` passes before any
+    preview) is answered as without streaming: the envelope and its HTTP status, not an SSE
+    ``error`` event in a 200; the handle's ``generate_stream`` raises it."""
+    body = {"prompt": "a slow one", "size": "256x256", "num_inference_steps": 60, "stream": True,
+            "partial_images": 1, "timeout_s": 0.001}
+    response = post(url, body)
+    assert response.status_code == 504 and response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["code"] == "timeout", response.text
+    with pytest.raises(InternalServerError) as raised:  # the SDK's class for every 5xx
+        list(client.images.generate(prompt="a slow one", stream=True, partial_images=1, size="256x256",
+                                    extra_body={"timeout_s": 0.001, "num_inference_steps": 60}))
+    assert raised.value.status_code == 504
+    handle = serve.get_app_handle("ditserve").options(stream=True)
+    with pytest.raises(RequestTimeoutError):
+        list(handle.generate_stream.remote(body))
 
 
 @pytest.mark.slow
