@@ -342,11 +342,12 @@ class BearerAuth:
 
 def key_default_priority(body, request):
     """``body`` with ``priority`` set to its API key's default (``auth.batch_api_keys_env``)
-    when it gives none, itself or in ``extra_body``; otherwise ``body`` unchanged."""
+    when it gives none, itself or in ``extra_body`` (``null`` gives none: it means the default,
+    as it does for every field); otherwise ``body`` unchanged."""
     default = getattr(request.state, "default_priority", None)
-    if default is None or not isinstance(body, dict) or "priority" in body:
+    if default is None or not isinstance(body, dict):
         return body
     nested = body.get("extra_body")
-    if isinstance(nested, dict) and "priority" in nested:
-        return body
-    return {**body, "priority": default}
+    if isinstance(nested, dict) and "priority" in nested:  # set where it was given (a clash stays a 400)
+        return body if nested["priority"] is not None else {**body, "extra_body": {**nested, "priority": default}}
+    return body if body.get("priority") is not None else {**body, "priority": default}

@@ -361,6 +361,10 @@ def test_a_batch_key_defaults_its_requests_to_batch_priority():
     assert sent("sk-batch", {"prompt": "a", "priority": "interactive"})["priority"] == "interactive"
     assert sent("sk-batch", {"prompt": "a", "extra_body": {"priority": "interactive"}}) == {
         "prompt": "a", "extra_body": {"priority": "interactive"}}
+    # null gives no priority, at the top level or in extra_body (it was taken as interactive)
+    assert sent("sk-batch", {"prompt": "a", "priority": None})["priority"] == "batch"
+    assert sent("sk-batch", {"prompt": "a", "extra_body": {"priority": None}}) == {
+        "prompt": "a", "extra_body": {"priority": "batch"}}
     assert sent(KEY, {"prompt": "a"}) == {"prompt": "a"}  # an ordinary key: the route's default
     assert client.post("/v1/images/generations", json={"prompt": "a"},
                        headers={"Authorization": "Bearer sk-nope"}).status_code == 401
