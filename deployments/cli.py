@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import errno
+import importlib
 import json
 import os
 import signal
@@ -85,15 +87,34 @@ SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp
 PREVIEWS = 3  # partial_images asked for by --stream-previews (OpenAI's most)
 
 
+def writable(output: Path) -> Path:
+    """``output``, once its directory exists and it can be written: checked before the request,
+    so that a generation is not spent on a file that cannot be written. Raises ``OSError``
+    (``IsADirectoryError``, ``PermissionError``, ...) naming the path."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if output.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(output))
+    if not os.access(output if output.exists() else output.parent, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output))
+    return output
+
+
 def _image_kwargs(output: Path, size: str | None) -> dict:
     """The SDK arguments an image call takes from the CLI: ``size`` and the ``output_format`` of
-    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); creates ``output``'s directory."""
+    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); checks ``output`` can be written."""
     kwargs = {"size": size} if size else {}
     output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
     if output_format != "png":
         kwargs["output_format"] = output_format
-    output.parent.mkdir(parents=True, exist_ok=True)
+    writable(output)
     return kwargs
+
+
+def previews_asked(extra: dict | None) -> int:
+    """The ``partial_images`` a ``--stream-previews`` request asks for: ``extra``'s (``null``
+    or absent: :data:`PREVIEWS`)."""
+    asked = (extra or {}).get("partial_images")
+    return PREVIEWS if asked is None else asked
 
 
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
@@ -113,7 +134,7 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
         return (response.model_extra or {}).get("ditserve", {})
     previews.mkdir(parents=True, exist_ok=True)
     meta = {}
-    body.setdefault("partial_images", PREVIEWS)  # --extra may ask for fewer
+    body["partial_images"] = previews_asked(body)  # --extra may ask for fewer
     for event in client.images.generate(prompt=prompt, stream=True, extra_body=body, **kwargs):
         if on_event is not None:
             on_event(event)
@@ -151,7 +172,8 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
                    input_reference: Path | None = None) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. ``input_reference``: an image file that becomes the first frame
-    (image-to-video models). Raises ``RuntimeError`` if the job fails (its error is the message)."""
+    (image-to-video models). Raises :class:`VideoJobFailed` if the job fails."""
+    writable(output)
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
@@ -163,10 +185,17 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
         if on_progress is not None:
             on_progress(job)
     if job.status == "failed":
-        raise RuntimeError(f"video {job.id} failed: {job.error}")
-    output.parent.mkdir(parents=True, exist_ok=True)
+        raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
     output.write_bytes(client.videos.download_content(job.id).read())
     return job.model_dump()
+
+
+class VideoJobFailed(RuntimeError):
+    """A video job ended ``failed``: its id and the job's ``error`` (``code``, ``message``)."""
+
+    def __init__(self, video_id: str, code: str | None, message: str | None):
+        super().__init__(f"video {video_id} failed: {message or 'no reason given'}")
+        self.video_id, self.code, self.message = video_id, code, message
 
 
 def _cmd_serve(ns) -> int:
@@ -189,17 +218,37 @@ def _cmd_serve(ns) -> int:
     return 0
 
 
+def _transport_modules() -> list:
+    """The HTTP libraries whose errors the OpenAI SDK raises (wrapped in ``APIConnectionError``
+    when a request fails, unwrapped when a stream's read fails): ``httpx``, and ``httpx2`` (the
+    SDK's transport from openai 3)."""
+    modules = []
+    for name in ("httpx", "httpx2"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return modules
+
+
 def failure_line(exc: BaseException, url: str) -> str | None:
-    """The one line ``ditserve generate`` / ``video`` print for a failed call (None: not a
-    failure of the call, let it raise): no server at ``url`` (and how to start one), a
-    timeout, or the server's error envelope (status, code, field, message)."""
+    """The one line ``ditserve generate`` / ``edit`` / ``video`` print for a failed call (None:
+    not a failure of the call, let it raise): no server at ``url`` (and how to start one), a
+    connection lost before the answer was complete, a timeout, the server's error envelope
+    (status, code, field, message), a failed video job, or a file that cannot be read or
+    written."""
     from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError
 
-    if isinstance(exc, APITimeoutError):
+    transports = _transport_modules()
+    if isinstance(exc, (APITimeoutError, *(m.TimeoutException for m in transports))):
         return f"error: {url} did not answer in time (the client waits 600 s); is the server overloaded?"
-    if isinstance(exc, APIConnectionError):
+    if isinstance(exc, APIConnectionError) and isinstance(exc.__cause__, tuple(m.ConnectError for m in transports)):
         return (f"error: no ditserve server at {url}; start one with `ditserve serve` "
                 f"(or `ditserve serve --config configs/tiny-cpu.yaml`), or pass --url")
+    if isinstance(exc, (APIConnectionError, *(m.TransportError for m in transports))):  # a stream's read: unwrapped
+        cause = exc.__cause__ if isinstance(exc, APIConnectionError) and exc.__cause__ else exc
+        return (f"error: the connection to {url} was lost before the answer was complete "
+                f"({type(cause).__name__}); is the server still running?")
     if isinstance(exc, APIStatusError):
         try:
             error = exc.response.json()["error"]
@@ -211,10 +260,10 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     if isinstance(exc, APIError) and isinstance(exc.body, dict):  # an error event of a stream
         where = f" ({exc.body.get('param')})" if exc.body.get("param") else ""
         return f"error {exc.body.get('code') or ''}{where}: {exc.message}".replace("  ", " ")
-    if isinstance(exc, json.JSONDecodeError):
-        return f"error: --extra is not a JSON object: {exc}"
-    if isinstance(exc, RuntimeError):  # a video job that failed
-        return f"error: {exc}"
+    if isinstance(exc, VideoJobFailed):
+        return f"error {exc.code or ''}: {exc}".replace("  ", " ")
+    if isinstance(exc, OSError) and exc.filename is not None:  # --image, -o, --stream-previews, ...
+        return f"error: {exc.filename}: {exc.strerror or exc}"
     return None
 
 
@@ -239,8 +288,20 @@ def lora_arg(value: str) -> dict:
         raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a number), got {value!r}") from None
 
 
-def _with_loras(extra: str | None, loras: list[dict] | None) -> dict | None:
-    body = json.loads(extra) if extra else None
+def json_object_arg(value: str) -> dict:
+    """``--extra``: a JSON object of request fields (anything else is a usage error)."""
+    try:
+        body = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos}): {value[:80]!r}") from None
+    if not isinstance(body, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"guidance_scale\": 4}}', "
+                                         f"got {type(body).__name__} {value[:80]!r}")
+    return body
+
+
+def _with_loras(extra: dict | None, loras: list[dict] | None) -> dict | None:
+    body = extra
     if loras:
         body = {**(body or {}), "lora": loras}
     return body
@@ -253,8 +314,8 @@ def _cmd_generate(ns) -> int:
 
     def show(event) -> None:
         if not bars:
-            partial = (json.loads(ns.extra) if ns.extra else {}).get("partial_images", PREVIEWS)
-            bars.append(tqdm(total=partial + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
+            asked = previews_asked(ns.extra)  # the server accepted it: a count (or a string of one)
+            bars.append(tqdm(total=int(asked) + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
                              bar_format="{desc}: {n}/{total}|{bar}| {elapsed}", desc="previews"))
         bars[0].update(1)
 
@@ -344,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
-    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.add_argument("--extra", type=json_object_arg, help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable), e.g. --lora magenta:0.8")
     p.add_argument("--stream-previews", metavar="DIR",
@@ -363,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels (default: the image's size)")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
-    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
+    p.add_argument("--extra", type=json_object_arg, help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="apply a registered LoRA adapter (repeatable)")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
@@ -377,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", help="length in seconds (or give num_frames in --extra)")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
-    p.add_argument("--extra", help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
+    p.add_argument("--extra", type=json_object_arg, help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")
     p.add_argument("--input-reference", metavar="IMAGE", help="an image that becomes the first frame (image-to-video)")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable)")

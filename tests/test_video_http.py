@@ -232,3 +232,14 @@ def test_cli_video_shows_a_progress_bar_and_writes_the_mp4(url, tmp_path, capsys
     assert main(["video", "a", "-o", str(tmp_path / "x.mp4"), "--url", url, "--extra", '{"num_frames": 10}']) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error 400 invalid_value (num_frames)"), err
+
+
+def test_cli_a_failed_job_is_one_line_with_its_code_and_message(url, tmp_path, capsys):
+    from deployments.cli import main
+
+    out = tmp_path / "bad.mp4"
+    assert main(["video", "a", "-o", str(out), "--url", url, "--steps", "7", "--extra", '{"num_frames": 5}']) == 1
+    line = capsys.readouterr().err.splitlines()[-1]  # after the progress bar's lines
+    assert line.startswith("error batch_failed: video video_") and "failed: " in line, line
+    assert "VideoCreateError" not in line and "failed: batch batch-" in line, line  # the message, not the SDK's repr
+    assert not out.exists()
