@@ -197,6 +197,9 @@ class VideoJobFailed(RuntimeError):
         super().__init__(f"video {video_id} failed: {message or 'no reason given'}")
         self.video_id, self.code, self.message = video_id, code, message
 
+    def __reduce__(self):  # pickled with its fields (Exception's default re-calls __init__ with the message)
+        return type(self), (self.video_id, self.code, self.message)
+
 
 def _cmd_serve(ns) -> int:
     config = load_serve_config(ns.config) if ns.config else {"name": APP_NAME, "args": {}, "route_prefix": "/",

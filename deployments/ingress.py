@@ -243,9 +243,12 @@ class Ingress:
         first = await anext(events)  # raises the error answered as the envelope
 
         async def all_events():
-            yield first
-            async for event in events:
-                yield event
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            finally:  # the client left: the Router drops the request now, not when this is collected
+                await events.aclose()
         return sse(all_events())
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:

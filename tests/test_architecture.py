@@ -88,6 +88,7 @@ def test_private_apis_go_through_compat():
 _ERROR_EXAMPLES = {
     "BatchCancelled": lambda cls: cls(3, 6, {1: 2}),
     "AdapterLoadError": lambda cls: cls("style", ValueError("not a LoRA"), "not a LoRA file"),
+    "VideoJobFailed": lambda cls: cls("video-1", "generation_failed", "the replica stopped"),
 }
 
 
