@@ -86,6 +86,26 @@ def test_nested_extra_body_is_merged_and_clashes_rejected():
     assert "repeats" in err.message
 
 
+def test_null_means_the_fields_default():
+    """OpenAI's API has ``n``, ``stream``, ``response_format``, ``output_format`` nullable and
+    its SDK sends ``None`` as ``null``: every optional field given ``null`` (top level, in a
+    nested ``extra_body``, or ``extra_body`` itself) is the request without it. Those four
+    were 400s ('Input should be a valid ...')."""
+    from pipeline.contract.images import ImageGenerationRequest
+    from pipeline.contract.videos import VideoGenerationRequest
+
+    for model, validate in ((ImageGenerationRequest, validate_image_request),
+                            (VideoGenerationRequest, lambda body, _: validate_video_request(body, VIDEO))):
+        plain = validate({"prompt": "a"}, LIMITS)
+        for name, field in model.model_fields.items():
+            if field.is_required():
+                continue
+            assert validate({"prompt": "a", name: None}, LIMITS) == plain, name
+            assert validate({"prompt": "a", "extra_body": {name: None}}, LIMITS) == plain, name
+    assert validate_image_request({"prompt": "a", "extra_body": None}, LIMITS) == validate_image_request(
+        {"prompt": "a"}, LIMITS)
+
+
 def test_resolve_applies_defaults_and_diffusers_cfg_rule():
     p = resolve(validate_image_request({"prompt": "a", "true_cfg_scale": 4.0}, LIMITS), LIMITS)
     assert (p.width, p.height, p.num_inference_steps, p.embedded_guidance_scale) == (64, 64, 16, 3.5)

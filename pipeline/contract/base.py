@@ -9,6 +9,7 @@ is the first offending top-level field and whose message names each field by its
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -102,6 +103,13 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
     return problems
 
 
+@functools.cache
+def _defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
+    """``model``'s optional fields whose default is not ``None`` (``n``, ``stream``, ...)."""
+    return frozenset(name for name, field in model.model_fields.items()
+                     if not field.is_required() and field.default is not None)
+
+
 class GenerationRequest(BaseModel):
     """Fields and checks shared by image and video requests (see ``images`` and ``videos``)."""
 
@@ -129,13 +137,19 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _merge_extra_body(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+        """A literal nested ``extra_body`` object is merged into the top level (``null``: none);
+        then ``null`` means a field's default, as in OpenAI's API (``n``, ``stream``,
+        ``output_format``, ... are nullable there; the SDK sends ``None`` as ``null``)."""
+        if isinstance(data, dict) and "extra_body" in data and (data["extra_body"] is None
+                                                                 or isinstance(data["extra_body"], dict)):
             data = dict(data)
-            nested = data.pop("extra_body")
+            nested = data.pop("extra_body") or {}
             clash = sorted(set(nested) & set(data))
             if clash:
                 raise ValueError(f"extra_body repeats top-level field(s) {', '.join(clash)}")
             data.update(nested)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in _defaulted_fields(cls)}
         return data
 
     @field_validator("priority")
