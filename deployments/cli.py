@@ -73,6 +73,10 @@ def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: 
     api_key = api_key or os.environ.get("DITSERVE_API_KEY") or "unused"
     client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600, max_retries=0)
     body = dict(extra or {})
+    nested = body.get("extra_body")
+    if isinstance(nested, dict) and not set(nested) & set(body):  # a clash stays: the server names it
+        body.pop("extra_body")
+        body.update(nested)
     if seed is not None:
         body["seed"] = seed
     if steps is not None:
@@ -87,6 +91,51 @@ SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp
 PREVIEWS = 3  # partial_images asked for by --stream-previews (OpenAI's most)
 
 
+class UsageError(ValueError):
+    """A command line the CLI refuses before any request (exit code 2, as argparse's)."""
+
+
+class BadAnswer(RuntimeError):
+    """The server's answer is not what OpenAI's API promises: no image in a response, or a
+    stream that ended without its ``completed`` event."""
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``; an ``OSError`` (a full disk, ...) names ``path``."""
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror or str(exc), str(path)) from exc
+
+
+def _first_image(response, base_url: str) -> bytes:
+    """The decoded ``data[0].b64_json`` of an images response. Raises :class:`BadAnswer`."""
+    data = getattr(response, "data", None) or []
+    if not data or not getattr(data[0], "b64_json", None):
+        raise BadAnswer(f"the answer from {base_url} holds no image (data: {len(data)} item(s), no b64_json)")
+    return base64.b64decode(data[0].b64_json)
+
+
+def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None) -> dict:
+    """Consume an image stream (``image_generation.*`` or ``image_edit.*`` events): each
+    preview written to ``previews`` as ``partial-<index>.<suffix>``, the final image to
+    ``output``; return the ``ditserve`` metadata. Raises :class:`BadAnswer` if the stream
+    ends without its ``completed`` event."""
+    for event in events:
+        if on_event is not None:
+            on_event(event)
+        kind = str(getattr(event, "type", "")).rpartition(".")[2]
+        if kind == "partial_image":
+            _write(previews / f"partial-{event.partial_image_index}{output.suffix or '.png'}",
+                   base64.b64decode(event.b64_json))
+        elif kind == "completed":
+            _write(output, base64.b64decode(event.b64_json))
+            return (event.model_extra or {}).get("ditserve", {})
+    raise BadAnswer(f"the stream from {base_url} ended without its image (no completed event)")
+
+
 def writable(output: Path) -> Path:
     """``output``, once its directory exists and it can be written: checked before the request,
     so that a generation is not spent on a file that cannot be written. Raises ``OSError``
@@ -99,9 +148,14 @@ def writable(output: Path) -> Path:
     return output
 
 
-def _image_kwargs(output: Path, size: str | None) -> dict:
+def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
     """The SDK arguments an image call takes from the CLI: ``size`` and the ``output_format`` of
-    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); checks ``output`` can be written."""
+    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); checks ``output`` can be written and that
+    ``body`` (the ``extra_body``) leaves ``stream`` to the command. Raises ``OSError``,
+    :class:`UsageError`."""
+    if body.get("stream") is not None:  # the SDK reads the answer as the call's stream argument says
+        raise UsageError("--extra: stream is set by the command (--stream-previews DIR streams); leave it out")
+    body.pop("stream", None)
     kwargs = {"size": size} if size else {}
     output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
     if output_format != "png":
@@ -111,9 +165,12 @@ def _image_kwargs(output: Path, size: str | None) -> dict:
 
 
 def previews_asked(extra: dict | None) -> int:
-    """The ``partial_images`` a ``--stream-previews`` request asks for: ``extra``'s (``null``
-    or absent: :data:`PREVIEWS`)."""
-    asked = (extra or {}).get("partial_images")
+    """The ``partial_images`` a ``--stream-previews`` request asks for: ``extra``'s, itself or
+    in a nested ``extra_body`` (``null`` or absent: :data:`PREVIEWS`)."""
+    extra = extra or {}
+    asked, nested = extra.get("partial_images"), extra.get("extra_body")
+    if asked is None and isinstance(nested, dict):
+        asked = nested.get("partial_images")
     return PREVIEWS if asked is None else asked
 
 
@@ -127,43 +184,42 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
     preview is written there as ``partial-<index>.<suffix>`` and ``on_event(event)`` sees every
     streamed event as it arrives."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
-    kwargs = _image_kwargs(output, size)
+    kwargs = _image_kwargs(output, size, body)
     if previews is None:
         response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
-        output.write_bytes(base64.b64decode(response.data[0].b64_json))
+        _write(output, _first_image(response, base_url))
         return (response.model_extra or {}).get("ditserve", {})
     previews.mkdir(parents=True, exist_ok=True)
-    meta = {}
     body["partial_images"] = previews_asked(body)  # --extra may ask for fewer
-    for event in client.images.generate(prompt=prompt, stream=True, extra_body=body, **kwargs):
-        if on_event is not None:
-            on_event(event)
-        if event.type == "image_generation.partial_image":
-            name = f"partial-{event.partial_image_index}{output.suffix or '.png'}"
-            (previews / name).write_bytes(base64.b64decode(event.b64_json))
-        elif event.type == "image_generation.completed":
-            output.write_bytes(base64.b64decode(event.b64_json))
-            meta = (event.model_extra or {}).get("ditserve", {})
-    return meta
+    return _streamed(client.images.generate(prompt=prompt, stream=True, extra_body=body, **kwargs),
+                     base_url, output, previews, on_event)
 
 
 def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: Path | None = None,
                strength: float | None = None, size: str | None = None, seed: int | None = None,
-               steps: int | None = None, extra: dict | None = None, api_key: str | None = None) -> dict:
+               steps: int | None = None, extra: dict | None = None, api_key: str | None = None,
+               previews: Path | None = None, on_event=None) -> dict:
     """POST one edit (OpenAI's ``images.edit``: ``image`` and optional ``mask`` uploaded as
     files) with the OpenAI client, write the image to ``output`` (its suffix picks
     ``output_format``); return the metadata. ``strength`` in (0, 1]: how much of the run
-    re-noises the image (image-to-image, inpainting)."""
+    re-noises the image (image-to-image, inpainting). ``previews``, ``on_event``: as
+    :func:`generate_image`'s (``image_edit.*`` events)."""
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     if strength is not None:
         body["strength"] = strength
-    kwargs = _image_kwargs(output, size)
+    kwargs = _image_kwargs(output, size, body)
     if mask is not None:
         kwargs["mask"] = (mask.name, mask.read_bytes())
-    response = client.images.edit(image=(image.name, image.read_bytes()), prompt=prompt, response_format="b64_json",
-                                  extra_body=body, **kwargs)
-    output.write_bytes(base64.b64decode(response.data[0].b64_json))
-    return (response.model_extra or {}).get("ditserve", {})
+    upload = (image.name, image.read_bytes())
+    if previews is None:
+        response = client.images.edit(image=upload, prompt=prompt, response_format="b64_json", extra_body=body,
+                                      **kwargs)
+        _write(output, _first_image(response, base_url))
+        return (response.model_extra or {}).get("ditserve", {})
+    previews.mkdir(parents=True, exist_ok=True)
+    body["partial_images"] = previews_asked(body)
+    return _streamed(client.images.edit(image=upload, prompt=prompt, stream=True, extra_body=body, **kwargs),
+                     base_url, output, previews, on_event)
 
 
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
@@ -186,7 +242,7 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
             on_progress(job)
     if job.status == "failed":
         raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
-    output.write_bytes(client.videos.download_content(job.id).read())
+    _write(output, client.videos.download_content(job.id).read())
     return job.model_dump()
 
 
@@ -255,23 +311,34 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     if isinstance(exc, APIStatusError):
         try:
             error = exc.response.json()["error"]
-            code, param, message = error.get("code"), error.get("param"), error.get("message")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            code, param, message = None, None, exc.response.text[:500]
-        where = f" ({param})" if param else ""
-        return f"error {exc.status_code} {code or ''}{where}: {message}".replace("  ", " ")
-    if isinstance(exc, APIError) and isinstance(exc.body, dict):  # an error event of a stream
-        where = f" ({exc.body.get('param')})" if exc.body.get("param") else ""
-        return f"error {exc.body.get('code') or ''}{where}: {exc.message}".replace("  ", " ")
+            return _error_line(exc.status_code, error.get("code"), error.get("param"), error.get("message"))
+        except (ValueError, KeyError, TypeError, AttributeError):  # not ditserve's envelope (a proxy's page, ...)
+            return _error_line(exc.status_code, None, None, exc.response.text)
+    if isinstance(exc, APIError):  # an error event of a stream, or an answer the SDK could not read
+        if isinstance(exc.body, dict):
+            return _error_line(None, exc.body.get("code"), exc.body.get("param"), exc.message)
+        return _error_line(None, None, None, exc.body if isinstance(exc.body, str) and exc.body else exc.message)
     if isinstance(exc, VideoJobFailed):
-        return f"error {exc.code or ''}: {exc}".replace("  ", " ")
-    if isinstance(exc, OSError) and exc.filename is not None:  # --image, -o, --stream-previews, ...
-        return f"error: {exc.filename}: {exc.strerror or exc}"
+        return _error_line(None, exc.code, None, str(exc))
+    if isinstance(exc, (BadAnswer, UsageError)):
+        return f"error: {exc}"
+    if isinstance(exc, json.JSONDecodeError):  # the SDK parses every answer and streamed event
+        return f"error: the answer from {url} is not valid JSON ({exc.msg} at character {exc.pos})"
+    if isinstance(exc, OSError):  # --image, -o, --stream-previews, ...
+        return f"error: {exc.filename}: {exc.strerror or exc}" if exc.filename is not None else f"error: {exc}"
     return None
 
 
+def _error_line(status: int | None, code: str | None, param: str | None, message) -> str:
+    """``error [STATUS] [CODE] [(PARAM)]: MESSAGE`` on one line (at most 500 characters of it)."""
+    head = " ".join(["error", *(str(part) for part in (status, code) if part)])
+    where = f" ({param})" if param else ""
+    return f"{head}{where}: {' '.join(str(message).split())[:500]}"
+
+
 def _run_client(call, url: str):
-    """``call()``, with any failure printed as one line on stderr: (result, exit code)."""
+    """``call()``, with any failure printed as one line on stderr: (result, exit code: 2 for
+    a refused command line, 1 for a failed call)."""
     try:
         return call(), 0
     except Exception as exc:
@@ -279,7 +346,7 @@ def _run_client(call, url: str):
         if line is None:
             raise
         print(line, file=sys.stderr)
-        return None, 1
+        return None, 2 if isinstance(exc, UsageError) else 1
 
 
 def lora_arg(value: str) -> dict:
@@ -310,10 +377,12 @@ def _with_loras(extra: dict | None, loras: list[dict] | None) -> dict | None:
     return body
 
 
-def _cmd_generate(ns) -> int:
+def _with_preview_bar(ns, call):
+    """``call(on_event)`` with a progress bar over the streamed events (drawn once the first
+    arrives, closed before the result or a failure line is printed): its result and exit code."""
     from tqdm import tqdm
 
-    bars = []  # a progress bar over the streamed events, drawn once the first arrives
+    bars = []
 
     def show(event) -> None:
         if not bars:
@@ -322,22 +391,29 @@ def _cmd_generate(ns) -> int:
                              bar_format="{desc}: {n}/{total}|{bar}| {elapsed}", desc="previews"))
         bars[0].update(1)
 
-    try:
-        meta, rc = _run_client(lambda: generate_image(
-            ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-            extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
-            previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show), ns.url)
-    finally:
-        for bar in bars:
-            bar.close()
+    def run():
+        try:
+            return call(show)
+        finally:
+            for bar in bars:
+                bar.close()
+
+    return _run_client(run, ns.url)
+
+
+def _cmd_generate(ns) -> int:
+    meta, rc = _with_preview_bar(ns, lambda show: generate_image(
+        ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
+        extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
+        previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
     return _written(ns.output, meta, rc)
 
 
 def _cmd_edit(ns) -> int:
-    meta, rc = _run_client(lambda: edit_image(
+    meta, rc = _with_preview_bar(ns, lambda show: edit_image(
         ns.url, Path(ns.image), ns.prompt, Path(ns.output), mask=Path(ns.mask) if ns.mask else None,
         strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
-        api_key=ns.api_key), ns.url)
+        api_key=ns.api_key, previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
     return _written(ns.output, meta, rc)
 
 
@@ -430,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", type=json_object_arg, help="JSON object of extra request fields, e.g. '{\"guidance_scale\": 4}'")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="apply a registered LoRA adapter (repeatable)")
+    p.add_argument("--stream-previews", metavar="DIR",
+                   help="stream the edit and save its previews in DIR (3 partial images; "
+                        "--extra '{\"partial_images\": N}' for N in 0..3)")
     p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
     p.set_defaults(func=_cmd_edit)
 

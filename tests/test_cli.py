@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import errno
+import http.server
+import json
+import os
+import threading
+from pathlib import Path
+
 import httpx
 import pytest
 from openai import APIConnectionError, APITimeoutError
@@ -61,3 +69,98 @@ def test_a_connection_lost_mid_answer_is_not_called_a_missing_server(transport):
     refused = APIConnectionError(request=request)
     refused.__cause__ = transport.ConnectError("refused", request=request)
     assert failure_line(refused, "http://h").startswith("error: no ditserve server at http://h")
+
+
+class _Answering(http.server.ThreadingHTTPServer):
+    """A real HTTP server that answers every POST with one fixed answer (status, type, body):
+    a server or proxy that answers what ditserve never should, to see what the CLI prints."""
+
+    def __init__(self, status: int, content_type: str, body: bytes):
+        self.answer, self.posts = (status, content_type, body), 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(handler):  # noqa: N805 (the server is self)
+                handler.rfile.read(int(handler.headers.get("content-length") or 0))
+                self.posts += 1
+                status, content_type, body = self.answer
+                handler.send_response(status)
+                handler.send_header("content-type", content_type)
+                handler.send_header("content-length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def _sse(*events: tuple[str, str]) -> bytes:
+    return "".join(f"event: {kind}\ndata: {data}\n\n" for kind, data in events).encode()
+
+
+_PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()  # what the CLI writes is not decoded
+_PARTIAL = json.dumps({"type": "image_generation.partial_image", "b64_json": _PNG, "partial_image_index": 0})
+
+
+@pytest.mark.parametrize("answer, stream, said", [
+    ((200, "application/json", b'{"created": 1, "data": []}'), False, "holds no image"),
+    ((200, "application/json", b'{"created": 1, "data": [{"b64_json": null}]}'), False, "holds no image"),
+    ((200, "text/event-stream", _sse(("image_generation.partial_image", _PARTIAL))), True,
+     "ended without its image"),
+    ((200, "text/event-stream", _sse(("error", '{"error": "the replica stopped"}'))), True,
+     "error: the replica stopped"),
+    ((200, "text/event-stream", _sse(("image_generation.partial_image", "{nope"))), True, "is not valid JSON"),
+    ((200, "application/json", b"{nope"), False, "is not valid JSON"),
+    ((404, "text/html", b"<html>\n<body>Not Found</body>\n</html>"), False,
+     "error 404: <html> <body>Not Found</body> </html>"),
+], ids=["no data", "null b64_json", "no completed event", "string error event", "bad event JSON", "bad JSON",
+        "html 404"])
+def test_answers_ditserve_never_gives_are_one_line(tmp_path, capsys, answer, stream, said):
+    """A proxy's page, a stream cut short, an answer without its image: one line and exit 1,
+    nothing written (these printed 'wrote' with exit 0, or an IndexError / TypeError /
+    JSONDecodeError traceback)."""
+    server = _Answering(*answer)
+    try:
+        out = tmp_path / "a.png"
+        argv = ["generate", "a", "-o", str(out), "--url", server.url]
+        assert main(argv + (["--stream-previews", str(tmp_path / "p")] if stream else [])) == 1
+        err = capsys.readouterr().err
+        last = err.splitlines()[-1]
+        assert last.startswith("error") and said in last and "Traceback" not in err, err
+        assert "\nerror" in "\n" + err  # on its own line, not after a progress bar's
+        assert not out.exists()
+    finally:
+        server.shutdown()
+
+
+def test_stream_in_extra_is_refused_before_any_request(tmp_path, capsys):
+    """``--extra '{"stream": true}'`` (itself or in a nested ``extra_body``) without
+    ``--stream-previews`` was an AttributeError traceback after the generation ran."""
+    server = _Answering(200, "application/json", b"{}")
+    try:
+        for command in (["generate", "a"], ["edit", str(tmp_path / "in.png"), "a"]):
+            (tmp_path / "in.png").write_bytes(b"")
+            for extra in ('{"stream": true}', '{"extra_body": {"stream": true}}', '{"stream": false}'):
+                argv = [*command, "-o", str(tmp_path / "a.png"), "--url", server.url, "--extra", extra]
+                assert main(argv) == 2, (argv, extra)
+                err = capsys.readouterr().err
+                assert err.count("\n") == 1 and err.startswith("error: --extra: stream is set by the command"), err
+        assert server.posts == 0
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_write_that_fails_names_the_output(capsys):
+    server = _Answering(200, "application/json", json.dumps({"created": 1, "data": [{"b64_json": _PNG}]}).encode())
+    try:
+        assert main(["generate", "a", "-o", "/dev/full", "--url", server.url]) == 1
+        assert capsys.readouterr().err == f"error: /dev/full: {os.strerror(errno.ENOSPC)}\n"
+    finally:
+        server.shutdown()

@@ -197,6 +197,13 @@ def test_cli_edit_turns_a_red_circle_bluer(url, tmp_path, capsys):
                  "--url", url, "--seed", "1"]) == 0
     assert distance_to_blue(np.asarray(Image.open(out).convert("RGB"))) < 0.6 * distance_to_blue(
         np.asarray(Image.open(source).convert("RGB")))
+    streamed, previews = tmp_path / "streamed.png", tmp_path / "previews"
+    assert main(["edit", str(source), "a blue square on a yellow background", "--strength", "0.7", "-o", str(streamed),
+                 "--url", url, "--seed", "1", "--stream-previews", str(previews), "--extra",
+                 '{"extra_body": {"partial_images": 1}}']) == 0
+    assert np.array_equal(np.asarray(Image.open(streamed)), np.asarray(Image.open(out)))  # the same pixels
+    assert [p.name for p in previews.iterdir()] == ["partial-0.png"]
+    assert "previews: 2/2" in capsys.readouterr().err
     assert main(["edit", str(source), "x", "--strength", "2", "-o", str(out), "--url", url]) == 1
     assert "error 400" in capsys.readouterr().err
 
