@@ -348,6 +348,8 @@ def key_default_priority(body, request):
     if default is None or not isinstance(body, dict):
         return body
     nested = body.get("extra_body")
-    if isinstance(nested, dict) and "priority" in nested:  # set where it was given (a clash stays a 400)
-        return body if nested["priority"] is not None else {**body, "extra_body": {**nested, "priority": default}}
-    return body if body.get("priority") is not None else {**body, "priority": default}
+    if body.get("priority") is not None or (isinstance(nested, dict) and nested.get("priority") is not None):
+        return body
+    if isinstance(nested, dict) and "priority" in nested:  # set where it was given
+        return {**body, "extra_body": {**nested, "priority": default}}
+    return {**body, "priority": default}

@@ -104,6 +104,12 @@ def test_null_means_the_fields_default():
             assert validate({"prompt": "a", "extra_body": {name: None}}, LIMITS) == plain, name
     assert validate_image_request({"prompt": "a", "extra_body": None}, LIMITS) == validate_image_request(
         {"prompt": "a"}, LIMITS)
+    # a null is no value: it does not clash with the other place (both were 400 'repeats')
+    assert validate_image_request({"prompt": "a", "seed": 1, "extra_body": {"seed": None}}, LIMITS).seed == 1
+    assert validate_image_request({"prompt": "a", "seed": None, "extra_body": {"seed": 2}}, LIMITS).seed == 2
+    err = reasons({"prompt": "a", "extra_body": 5})  # was "unknown field 'extra_body'"
+    assert err.param == "extra_body" and "must be an object" in err.message
+    assert reasons({"prompt": None}).param == "prompt"  # a required field stays required
 
 
 def test_resolve_applies_defaults_and_diffusers_cfg_rule():

@@ -365,6 +365,11 @@ def test_a_batch_key_defaults_its_requests_to_batch_priority():
     assert sent("sk-batch", {"prompt": "a", "priority": None})["priority"] == "batch"
     assert sent("sk-batch", {"prompt": "a", "extra_body": {"priority": None}}) == {
         "prompt": "a", "extra_body": {"priority": "batch"}}
+    # a priority given in one place and null in the other is the one given (it became a 400 clash)
+    both = {"prompt": "a", "priority": "interactive", "extra_body": {"priority": None}}
+    assert sent("sk-batch", both) == both
+    both = {"prompt": "a", "priority": None, "extra_body": {"priority": "interactive"}}
+    assert sent("sk-batch", both) == both
     assert sent(KEY, {"prompt": "a"}) == {"prompt": "a"}  # an ordinary key: the route's default
     assert client.post("/v1/images/generations", json={"prompt": "a"},
                        headers={"Authorization": "Bearer sk-nope"}).status_code == 401

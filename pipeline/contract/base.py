@@ -104,10 +104,14 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
 
 
 @functools.cache
-def _defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
-    """``model``'s optional fields whose default is not ``None`` (``n``, ``stream``, ...)."""
-    return frozenset(name for name, field in model.model_fields.items()
-                     if not field.is_required() and field.default is not None)
+def _optional_fields(model: type[BaseModel]) -> frozenset[str]:
+    """``model``'s fields that have a default (``extra_body`` too: ``null`` is no nested body)."""
+    return frozenset({"extra_body", *(name for name, field in model.model_fields.items() if not field.is_required())})
+
+
+def _without_nulls(model: type[BaseModel], data: dict) -> dict:
+    """``data`` without the optional fields given ``null`` (a required one stays: its error names it)."""
+    return {k: v for k, v in data.items() if v is not None or k not in _optional_fields(model)}
 
 
 class GenerationRequest(BaseModel):
@@ -140,16 +144,18 @@ class GenerationRequest(BaseModel):
         """A literal nested ``extra_body`` object is merged into the top level (``null``: none);
         then ``null`` means a field's default, as in OpenAI's API (``n``, ``stream``,
         ``output_format``, ... are nullable there; the SDK sends ``None`` as ``null``)."""
-        if isinstance(data, dict) and "extra_body" in data and (data["extra_body"] is None
-                                                                 or isinstance(data["extra_body"], dict)):
-            data = dict(data)
-            nested = data.pop("extra_body") or {}
+        if not isinstance(data, dict):
+            return data
+        data = _without_nulls(cls, data)
+        if "extra_body" in data:
+            nested = data.pop("extra_body")
+            if not isinstance(nested, dict):
+                raise ValueError(f"extra_body must be an object of request fields (or null), got {shown(nested)}")
+            nested = _without_nulls(cls, nested)
             clash = sorted(set(nested) & set(data))
             if clash:
                 raise ValueError(f"extra_body repeats top-level field(s) {', '.join(clash)}")
             data.update(nested)
-        if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if v is not None or k not in _defaulted_fields(cls)}
         return data
 
     @field_validator("priority")
@@ -326,7 +332,7 @@ def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
     loc = tuple(error.get("loc", ()))
     if not loc:  # a model-level check: it names its field first ("seconds: give either ...")
         field = message.split(":")[0].split(" ")[0].split(".")[0]
-        return (field if field in model.model_fields else "body"), message
+        return (field if field in model.model_fields or field == "extra_body" else "body"), message
     top, path = str(loc[0]), ".".join(str(p) for p in loc)
     if error.get("type") == "extra_forbidden":
         if len(loc) == 1:
