@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import binascii
 import errno
 import importlib
 import json
@@ -11,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,12 +112,28 @@ def _write(path: Path, data: bytes) -> None:
         raise type(exc)(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
+def _decoded(b64_json, base_url: str, what: str) -> bytes:
+    """``b64_json`` decoded: a non-empty base64 string. Raises :class:`BadAnswer` naming ``what``."""
+    try:
+        if isinstance(b64_json, str) and b64_json:
+            return base64.b64decode(b64_json, validate=True)
+    except binascii.Error:
+        pass
+    raise BadAnswer(f"the answer from {base_url} holds no image in {what} (b64_json is {shown_value(b64_json)})")
+
+
+def shown_value(value) -> str:
+    """``value`` for an error line: its repr, at most 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _first_image(response, base_url: str) -> bytes:
     """The decoded ``data[0].b64_json`` of an images response. Raises :class:`BadAnswer`."""
-    data = getattr(response, "data", None) or []
-    if not data or not getattr(data[0], "b64_json", None):
-        raise BadAnswer(f"the answer from {base_url} holds no image (data: {len(data)} item(s), no b64_json)")
-    return base64.b64decode(data[0].b64_json)
+    data = getattr(response, "data", None)
+    if not isinstance(data, list) or not data:
+        raise BadAnswer(f"the answer from {base_url} holds no image (data is {shown_value(data)})")
+    return _decoded(getattr(data[0], "b64_json", None), base_url, "data[0]")
 
 
 def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None) -> dict:
@@ -128,10 +146,14 @@ def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None
             on_event(event)
         kind = str(getattr(event, "type", "")).rpartition(".")[2]
         if kind == "partial_image":
-            _write(previews / f"partial-{event.partial_image_index}{output.suffix or '.png'}",
-                   base64.b64decode(event.b64_json))
+            index = getattr(event, "partial_image_index", None)
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 100:
+                raise BadAnswer(f"the stream from {base_url} sent a preview without a valid partial_image_index "
+                                f"({shown_value(index)})")
+            _write(previews / f"partial-{index}{output.suffix or '.png'}",
+                   _decoded(getattr(event, "b64_json", None), base_url, f"preview {index}"))
         elif kind == "completed":
-            _write(output, base64.b64decode(event.b64_json))
+            _write(output, _decoded(getattr(event, "b64_json", None), base_url, "the completed event"))
             return (event.model_extra or {}).get("ditserve", {})
     raise BadAnswer(f"the stream from {base_url} ended without its image (no completed event)")
 
@@ -148,12 +170,26 @@ def writable(output: Path) -> Path:
     return output
 
 
+def writable_dir(directory: Path) -> Path:
+    """``directory``, created if missing, once files can be written in it (checked before the
+    request). Raises ``OSError`` naming it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=directory):  # a file made and removed: what the OS allows, also for root
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(directory)) from exc
+    return directory
+
+
 def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
     """The SDK arguments an image call takes from the CLI: ``size`` and the ``output_format`` of
     ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); checks ``output`` can be written and that
     ``body`` (the ``extra_body``) leaves ``stream`` to the command. Raises ``OSError``,
     :class:`UsageError`."""
-    if body.get("stream") is not None:  # the SDK reads the answer as the call's stream argument says
+    nested = body.get("extra_body")
+    if body.get("stream") is not None or (isinstance(nested, dict) and nested.get("stream") is not None):
+        # the SDK reads the answer as the call's stream argument says
         raise UsageError("--extra: stream is set by the command (--stream-previews DIR streams); leave it out")
     body.pop("stream", None)
     kwargs = {"size": size} if size else {}
@@ -189,7 +225,7 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
         response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
         _write(output, _first_image(response, base_url))
         return (response.model_extra or {}).get("ditserve", {})
-    previews.mkdir(parents=True, exist_ok=True)
+    writable_dir(previews)
     body["partial_images"] = previews_asked(body)  # --extra may ask for fewer
     return _streamed(client.images.generate(prompt=prompt, stream=True, extra_body=body, **kwargs),
                      base_url, output, previews, on_event)
@@ -216,7 +252,7 @@ def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: P
                                       **kwargs)
         _write(output, _first_image(response, base_url))
         return (response.model_extra or {}).get("ditserve", {})
-    previews.mkdir(parents=True, exist_ok=True)
+    writable_dir(previews)
     body["partial_images"] = previews_asked(body)
     return _streamed(client.images.edit(image=upload, prompt=prompt, stream=True, extra_body=body, **kwargs),
                      base_url, output, previews, on_event)
@@ -331,9 +367,12 @@ def failure_line(exc: BaseException, url: str) -> str | None:
 
 def _error_line(status: int | None, code: str | None, param: str | None, message) -> str:
     """``error [STATUS] [CODE] [(PARAM)]: MESSAGE`` on one line (at most 500 characters of it)."""
-    head = " ".join(["error", *(str(part) for part in (status, code) if part)])
-    where = f" ({param})" if param else ""
-    return f"{head}{where}: {' '.join(str(message).split())[:500]}"
+    def folded(text) -> str:
+        return " ".join(str(text).split())[:500]
+
+    head = " ".join(["error", *(folded(part) for part in (status, code) if part)])
+    where = f" ({folded(param)})" if param else ""
+    return f"{head}{where}: {folded(message) or '(the answer gave no message)'}"
 
 
 def _run_client(call, url: str):
@@ -386,9 +425,10 @@ def _with_preview_bar(ns, call):
 
     def show(event) -> None:
         if not bars:
-            asked = previews_asked(ns.extra)  # the server accepted it: a count (or a string of one)
-            bars.append(tqdm(total=int(asked) + 1, file=sys.stderr, dynamic_ncols=True, unit="image",
-                             bar_format="{desc}: {n}/{total}|{bar}| {elapsed}", desc="previews"))
+            asked = previews_asked(ns.extra)  # what the server accepted (ditserve's: 0..3)
+            total = asked + 1 if isinstance(asked, int) and 0 <= asked <= 100 else None  # None: no total
+            bars.append(tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="image", desc="previews",
+                             bar_format="{desc}: {n}" + ("/{total}|{bar}|" if total else "") + " {elapsed}"))
         bars[0].update(1)
 
     def run():

@@ -108,6 +108,10 @@ _PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()  # what the 
 _PARTIAL = json.dumps({"type": "image_generation.partial_image", "b64_json": _PNG, "partial_image_index": 0})
 
 
+def _completed(b64_json) -> tuple[str, str]:
+    return "image_generation.completed", json.dumps({"type": "image_generation.completed", "b64_json": b64_json})
+
+
 @pytest.mark.parametrize("answer, stream, said", [
     ((200, "application/json", b'{"created": 1, "data": []}'), False, "holds no image"),
     ((200, "application/json", b'{"created": 1, "data": [{"b64_json": null}]}'), False, "holds no image"),
@@ -119,8 +123,24 @@ _PARTIAL = json.dumps({"type": "image_generation.partial_image", "b64_json": _PN
     ((200, "application/json", b"{nope"), False, "is not valid JSON"),
     ((404, "text/html", b"<html>\n<body>Not Found</body>\n</html>"), False,
      "error 404: <html> <body>Not Found</body> </html>"),
+    ((200, "application/json", b'{"data": 5}'), False, "holds no image (data is 5)"),
+    ((200, "application/json", b'{"data": {"x": 1}}'), False, "holds no image"),
+    ((200, "application/json", b'{"data": [{"b64_json": 5}]}'), False, "holds no image in data[0]"),
+    ((200, "application/json", b'{"data": [{"b64_json": "!!!notbase64"}]}'), False, "holds no image in data[0]"),
+    ((200, "text/event-stream", _sse(_completed(""))), True, "holds no image in the completed event"),
+    ((200, "text/event-stream", _sse(_completed("!!!!!"))), True, "holds no image in the completed event"),
+    ((200, "text/event-stream", _sse(_completed(None))), True, "holds no image in the completed event"),
+    ((200, "text/event-stream", _sse(("image_generation.partial_image", json.dumps(
+        {"type": "image_generation.partial_image", "b64_json": _PNG})))), True, "without a valid partial_image_index"),
+    ((500, "application/json", b'{"error": {"code": "a\\nb", "param": "p\\nq", "message": "m"}}'), False,
+     "error 500 a b (p q): m"),
+    ((502, "text/plain", b""), False, "error 502: (the answer gave no message)"),
+    ((200, "text/event-stream", _sse(("error", '{"error": {"code": "c\\nd", "param": "x", "message": "m1\\nm2"}}'))),
+     True, "error c d (x): m1 m2"),
 ], ids=["no data", "null b64_json", "no completed event", "string error event", "bad event JSON", "bad JSON",
-        "html 404"])
+        "html 404", "data a number", "data an object", "b64_json a number", "b64_json not base64",
+        "completed empty", "completed not base64", "completed null", "preview without index", "multi-line fields",
+        "empty 502", "multi-line error event"])
 def test_answers_ditserve_never_gives_are_one_line(tmp_path, capsys, answer, stream, said):
     """A proxy's page, a stream cut short, an answer without its image: one line and exit 1,
     nothing written (these printed 'wrote' with exit 0, or an IndexError / TypeError /
@@ -134,7 +154,7 @@ def test_answers_ditserve_never_gives_are_one_line(tmp_path, capsys, answer, str
         last = err.splitlines()[-1]
         assert last.startswith("error") and said in last and "Traceback" not in err, err
         assert "\nerror" in "\n" + err  # on its own line, not after a progress bar's
-        assert not out.exists()
+        assert not out.exists() and "wrote" not in capsys.readouterr().out
     finally:
         server.shutdown()
 
@@ -146,7 +166,8 @@ def test_stream_in_extra_is_refused_before_any_request(tmp_path, capsys):
     try:
         for command in (["generate", "a"], ["edit", str(tmp_path / "in.png"), "a"]):
             (tmp_path / "in.png").write_bytes(b"")
-            for extra in ('{"stream": true}', '{"extra_body": {"stream": true}}', '{"stream": false}'):
+            for extra in ('{"stream": true}', '{"extra_body": {"stream": true}}', '{"stream": false}',
+                          '{"stream": null, "extra_body": {"stream": true}}'):  # a clash: not flattened
                 argv = [*command, "-o", str(tmp_path / "a.png"), "--url", server.url, "--extra", extra]
                 assert main(argv) == 2, (argv, extra)
                 err = capsys.readouterr().err
@@ -162,5 +183,21 @@ def test_a_write_that_fails_names_the_output(capsys):
     try:
         assert main(["generate", "a", "-o", "/dev/full", "--url", server.url]) == 1
         assert capsys.readouterr().err == f"error: /dev/full: {os.strerror(errno.ENOSPC)}\n"
+    finally:
+        server.shutdown()
+
+
+def test_a_previews_directory_that_cannot_be_written_is_one_line_before_any_request(tmp_path, capsys):
+    """A file made and removed there, not ``os.access``: root passes that even where the file
+    system refuses (/sys/kernel: the request was sent, then the first preview failed)."""
+    server = _Answering(200, "application/json", b"{}")
+    try:
+        for directory in ("/sys/kernel", "/proc/self"):
+            if not Path(directory).is_dir():
+                continue
+            assert main(["generate", "a", "-o", str(tmp_path / "a.png"), "--url", server.url,
+                         "--stream-previews", directory]) == 1
+            assert capsys.readouterr().err.startswith(f"error: {directory}: ")
+        assert server.posts == 0
     finally:
         server.shutdown()
