@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from deployments.proxy import install as install_proxy_middleware
+from pipeline.contract.text import shown
 from parallel.groups import free_port
 
 APP_NAME = "ditserve"
@@ -119,20 +120,14 @@ def _decoded(b64_json, base_url: str, what: str) -> bytes:
             return base64.b64decode(b64_json, validate=True)
     except binascii.Error:
         pass
-    raise BadAnswer(f"the answer from {base_url} holds no image in {what} (b64_json is {shown_value(b64_json)})")
-
-
-def shown_value(value) -> str:
-    """``value`` for an error line: its repr, at most 40 characters."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    raise BadAnswer(f"the answer from {base_url} holds no image in {what} (b64_json is {shown(b64_json)})")
 
 
 def _first_image(response, base_url: str) -> bytes:
     """The decoded ``data[0].b64_json`` of an images response. Raises :class:`BadAnswer`."""
     data = getattr(response, "data", None)
     if not isinstance(data, list) or not data:
-        raise BadAnswer(f"the answer from {base_url} holds no image (data is {shown_value(data)})")
+        raise BadAnswer(f"the answer from {base_url} holds no image (data is {shown(data)})")
     return _decoded(getattr(data[0], "b64_json", None), base_url, "data[0]")
 
 
@@ -149,7 +144,7 @@ def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None
             index = getattr(event, "partial_image_index", None)
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 100:
                 raise BadAnswer(f"the stream from {base_url} sent a preview without a valid partial_image_index "
-                                f"({shown_value(index)})")
+                                f"({shown(index)})")
             _write(previews / f"partial-{index}{output.suffix or '.png'}",
                    _decoded(getattr(event, "b64_json", None), base_url, f"preview {index}"))
         elif kind == "completed":

@@ -243,12 +243,9 @@ class Ingress:
         first = await anext(events)  # raises the error answered as the envelope
 
         async def all_events():
-            try:
-                yield first
-                async for event in events:
-                    yield event
-            finally:  # the client left: the Router drops the request now, not when this is collected
-                await events.aclose()
+            yield first
+            async for event in events:
+                yield event
         return sse(all_events())
 
     async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
