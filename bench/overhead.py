@@ -35,7 +35,8 @@ def main() -> None:
 
     torch.set_num_threads(ns.threads)
     args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads}}
-    url = start_app(args, host="127.0.0.1", port=free_port("127.0.0.1"), num_cpus=4)
+    served = start_app(args, host="127.0.0.1", port=free_port("127.0.0.1"), num_cpus=4)
+    url = served.url
     try:
         from pipeline.contract.images import validate_image_request
         from pipeline.contract.limits import ServingLimits
@@ -67,7 +68,7 @@ def main() -> None:
             runner.run(batch)
             local_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
-        stop_app()
+        stop_app(served)
     http_p50, local_p50 = statistics.median(http_ms), statistics.median(local_ms)
     budget = 1.10 * local_p50 + 15
     print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} torch threads, {ns.iters} iterations")

@@ -15,7 +15,8 @@ TESTED = ">=2.60,<2.61"
 
 RELIES_ON = (
     Reliance("ray.serve.request_router", "RequestRouter", "the replica-choice extension point"),
-    Reliance("ray.serve.context", "_get_global_client", "deploying a config file in-process (tests)"),
+    Reliance("ray.serve.context", "_get_global_client",
+             "deploying a config file in-process (tests); the HTTP options of a running Serve"),
     Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
              "Serve's default request router, subclassed to watch the replica set with affinity off"),
 )
@@ -42,6 +43,19 @@ def deploy_config(config, wait_running: bool = True) -> None:
     from ray.serve.context import _get_global_client
 
     _get_global_client().deploy_apps(config, _blocking=wait_running)
+
+
+def http_options() -> dict:
+    """``{"host", "port"}`` the connected cluster's Serve proxies listen on (``serve.start`` keeps
+    a running Serve's options and only logs a warning when asked for others)."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        config = _get_global_client().http_config
+        return {"host": config.host, "port": config.port}
+    except AttributeError as exc:
+        raise CompatError(f"Ray Serve's client no longer has http_config ({exc}); ditserve is tested "
+                          f"with ray{TESTED}") from None
 
 
 def power_of_two_choices_router() -> type:

@@ -14,7 +14,9 @@ import sys
 import threading
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -40,30 +42,51 @@ def load_serve_config(path: str | Path) -> dict:
     raise ValueError(f"{path}: no application with import_path deployments.app:build_app")
 
 
+@dataclass(frozen=True)
+class Served:
+    """Where :func:`start_app` deployed the app: its base ``url``, its application ``name`` and
+    whether it ``joined`` a Ray cluster that was running before (then :func:`stop_app` removes
+    only this application; otherwise it shuts down the Serve instance and the cluster it started)."""
+
+    url: str
+    name: str
+    joined: bool
+
+
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
-              num_cpus: int | None = None) -> str:
-    """Connect to a running Ray cluster or start a local one, deploy the app, return its URL."""
+              num_cpus: int | None = None, address: str | None = "local") -> Served:
+    """Deploy the app (``build_app(args)``) as application ``name`` at ``route_prefix``.
+
+    ``address`` is ``ray.init``'s: ``"local"`` (default) starts a new local cluster with
+    ``num_cpus`` CPUs, whatever else runs on this machine; ``"auto"`` or ``HOST:PORT`` joins that
+    running cluster. In a cluster whose Serve already runs,
+    Serve keeps its HTTP options: the returned URL is the ones it listens on (``host``/``port``
+    are then ignored). Raises ``ConnectionError`` if an address names no running cluster."""
     import ray
     from ray import serve
 
+    from compat.ray_serve import http_options
     from deployments.app import build_app
 
-    if not ray.is_initialized():
-        try:
-            ray.init(address="auto", log_to_driver=False)
-        except ConnectionError:  # a local cluster: its proxy gets ditserve's error envelopes
-            install_proxy_middleware()
-            ray.init(num_cpus=num_cpus, log_to_driver=False)
+    install_proxy_middleware()  # a cluster started here: its proxy answers its own errors in OpenAI's envelope
+    ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
+    listening = http_options()  # the running Serve's, when it ran before with others
     serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+    return Served(f"http://{listening['host']}:{listening['port']}{route_prefix.rstrip('/')}", name,
+                  joined=address != "local")
 
 
-def stop_app() -> None:
+def stop_app(served: Served) -> None:
+    """Undo :func:`start_app`: in a cluster it joined, delete only its application; in one it
+    started, shut Serve and the cluster down."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if served.joined:
+        serve.delete(served.name)
+    else:
+        serve.shutdown()
     ray.shutdown()
 
 
@@ -292,8 +315,18 @@ def _cmd_serve(ns) -> int:
     config = load_serve_config(ns.config) if ns.config else {"name": APP_NAME, "args": {}, "route_prefix": "/",
                                                                "http_options": {"host": "127.0.0.1", "port": 8000}}
     http = config["http_options"]
-    url = start_app(config["args"], host=ns.host or http["host"], port=ns.port or http["port"],
-                    name=config["name"], route_prefix=config["route_prefix"])
+    host, port = ns.host or http["host"], ns.port or http["port"]
+    address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
+    served = start_app(config["args"], host=host, port=port, name=config["name"],
+                       route_prefix=config["route_prefix"], address=address)
+    url = served.url
+    if served.joined:
+        print(f"joined the Ray cluster at {address}: application {served.name!r} deployed there "
+              f"(Ctrl-C deletes it and leaves the cluster's other applications running)", flush=True)
+        listening = urlsplit(url)
+        if (listening.hostname, listening.port) != (host, port):
+            print(f"note: Serve already runs in that cluster and keeps its HTTP options: {host}:{port} "
+                  "is not used", flush=True)
     print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
           "Ctrl-C stops)",
           flush=True)
@@ -304,7 +337,7 @@ def _cmd_serve(ns) -> int:
     except KeyboardInterrupt:
         pass
     print("shutting down", flush=True)
-    stop_app()
+    stop_app(served)
     return 0
 
 
@@ -490,11 +523,11 @@ def _cmd_video(ns) -> int:
 def _cmd_demo(ns) -> int:
     port = free_port("127.0.0.1")
     print("starting Ray Serve with the embedded tiny-flux model ...", flush=True)
-    url = start_app({}, host="127.0.0.1", port=port, num_cpus=4)
+    served = start_app({}, host="127.0.0.1", port=port, num_cpus=4)  # its own local cluster, always
     try:
-        meta = generate_image(url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed)
+        meta = generate_image(served.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed)
     finally:
-        stop_app()
+        stop_app(served)
     output = Path(ns.output).resolve()
     print(f"prompt: {ns.prompt!r}")
     print(f"metadata: {json.dumps(meta)}")
@@ -506,8 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ditserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the app (local Ray unless a cluster is running) until Ctrl-C")
+    p = sub.add_parser("serve", help="run the app until Ctrl-C (on a new local Ray cluster unless --address "
+                                     "or $RAY_ADDRESS names a running one)")
     p.add_argument("--config", help="a Serve config file (e.g. configs/tiny-cpu.yaml); default: tiny-flux")
+    p.add_argument("--address", help="a running Ray cluster to deploy into: HOST:PORT, or auto for the one on "
+                                     "this machine (default: $RAY_ADDRESS, else a new local cluster)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.set_defaults(func=_cmd_serve)

@@ -201,3 +201,92 @@ def test_a_previews_directory_that_cannot_be_written_is_one_line_before_any_requ
         assert server.posts == 0
     finally:
         server.shutdown()
+
+
+class _Serving:
+    """``ditserve serve ARGS`` in a subprocess, waited for up to its ``serving at URL`` line
+    (at most ``timeout`` s)."""
+
+    def __init__(self, *args: str, env: dict, timeout: float = 240):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        serving = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("ditserve is serving at "):
+                    self.url = line.split()[4]
+                    serving.set()
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        if not serving.wait(timeout):
+            self.proc.kill()
+            raise AssertionError("".join(self.lines)[-4000:])
+
+    def stop(self) -> int:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=120)
+        self.reader.join(timeout=10)
+        return rc
+
+
+def _serve_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+@pytest.mark.slow
+def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
+    """A cluster already running on this machine (the tests') is left alone: ``ditserve serve``
+    without ``--address`` starts its own, and Ctrl-C (SIGTERM) shuts down only that one. It used
+    to join any running cluster, replace its ``ditserve`` application and shut its Serve down."""
+    from ray import serve
+
+    deploy()
+    before = serve.status().applications["ditserve"].deployments.keys()
+    port = free_port("127.0.0.1")
+    server = _Serving("--port", str(port), env=_serve_env())
+    try:
+        assert server.url == f"http://127.0.0.1:{port}" and not any("joined" in ln for ln in server.lines)
+        assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
+        assert set(serve.status().applications) == {"ditserve"}  # nothing deployed into this cluster
+    finally:
+        assert server.stop() == 0, "".join(server.lines)[-4000:]
+    assert serve.status().applications["ditserve"].status == "RUNNING"
+    assert serve.status().applications["ditserve"].deployments.keys() == before
+    assert httpx.get(f"{ray_cluster['url']}/v1/models", timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_cluster, deploy, tmp_path):
+    """``--address`` deploys into that cluster; its Serve keeps its own HTTP options (the URL
+    printed is the one it listens on, with a note that ``--port`` is unused) and Ctrl-C deletes
+    only the application deployed, not the cluster's others or its Serve."""
+    import yaml
+    from ray import serve
+
+    deploy()
+    config = {"applications": [{"name": "cli-joined", "route_prefix": "/joined", "import_path": "deployments.app:build_app",
+                                "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}}}]}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    unused = free_port("127.0.0.1")
+    server = _Serving("--address", ray_cluster["gcs_address"], "--config", str(tmp_path / "serve.yaml"),
+                      "--port", str(unused), env=_serve_env())
+    try:
+        assert server.url == f"{ray_cluster['url']}/joined", server.lines
+        said = "".join(server.lines)
+        assert "joined the Ray cluster" in said and f":{unused} is not used" in said, said
+        assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
+        assert serve.status().applications["cli-joined"].status == "RUNNING"
+    finally:
+        assert server.stop() == 0, "".join(server.lines)[-4000:]
+    assert "cli-joined" not in serve.status().applications
+    assert serve.status().applications["ditserve"].status == "RUNNING"
+    assert httpx.get(f"{ray_cluster['url']}/v1/models", timeout=60).status_code == 200
