@@ -8,14 +8,14 @@ step-computation-mask keys follow cache-dit's ``steps_mask`` helper (presets
 README, "Steps Computation Masking"). ``secondary`` holds knobs for the second transformer of
 a dual-transformer model; a knob it does not set is inherited from the primary's.
 
-A validated override is frozen and hashable: it is the Cache-DiT part of a batch signature
+A key given ``null`` is unset, as if left out. A validated override is frozen and hashable: it is the Cache-DiT part of a batch signature
 and of the replica state. Unknown keys, wrong types (no bool for an integer, no string for a
 number) and values outside the bounds below are rejected with the field's dotted path.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -52,6 +52,12 @@ class CacheDiTKnobs(BaseModel):
     max_continuous_cached_steps: int = Field(None, ge=-1, le=MAX_STEPS)
     enable_taylorseer: bool = None
     taylorseer_order: int = Field(None, ge=1, le=MAX_TAYLORSEER_ORDER)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_unset(cls, data: Any) -> Any:
+        """A key given ``null`` is unset (cache-dit's default), as ``null`` is a request field's default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def set_knobs(self) -> dict:
         """The knobs this override sets, by cache-dit's names (unset ones left out)."""

@@ -235,3 +235,19 @@ def test_sizes_must_split_across_the_ranks_unless_the_model_pads_its_sequence():
     with pytest.raises(InvalidRequestError, match="cannot be split"):  # 3 ranks do not divide 32, nor 4 x 2 tokens
         validate_image_request({"prompt": "x", "size": "32x16"},
                                dataclasses.replace(two, world_size=3, sequence_multiple=32))
+
+
+def test_null_in_cache_dit_params_is_unset():
+    """A Cache-DiT key given ``null`` (the SDK's ``None``) is the override without it, at every
+    level (``secondary`` too); it was a 400 'Input should be a valid integer'."""
+    knobs = {"Fn_compute_blocks": 2, "residual_diff_threshold": 0.2}
+    plain = validate_image_request({"prompt": "a", "cache_dit_params": knobs}, LIMITS)
+    nulls = {name: None for name in ("Bn_compute_blocks", "max_warmup_steps", "max_continuous_cached_steps",
+                                     "enable_taylorseer", "taylorseer_order", "scm_preset", "scm_compute_bins",
+                                     "scm_cache_bins", "scm_policy", "secondary")}
+    assert validate_image_request({"prompt": "a", "cache_dit_params": {**knobs, **nulls}}, LIMITS) == plain
+    from pipeline.cache_dit_params import CacheDiTParams
+
+    nested = CacheDiTParams.model_validate({"secondary": {"Fn_compute_blocks": None, "max_warmup_steps": 3}})
+    assert nested == CacheDiTParams.model_validate({"secondary": {"max_warmup_steps": 3}})
+    assert "cache_dit_params.Fn_compute_blocks" in reasons({"prompt": "a", "cache_dit_params": {"Fn_compute_blocks": "2"}}).message
