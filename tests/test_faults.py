@@ -4,6 +4,7 @@ failure on one rank of a sequence-parallel replica, callers that leave a running
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +25,12 @@ def replica_ids(url) -> set[str]:
     return set(router_stats(url)["replicas"])
 
 
+def counted(url, base: dict) -> defaultdict:
+    """The Router's counters' increases since ``base`` (its ``counters`` read earlier)."""
+    now = router_stats(url)["counters"]
+    return defaultdict(int, {name: value - base.get(name, 0) for name, value in now.items()})
+
+
 def test_a_batch_longer_than_the_health_check_budget_keeps_its_replica(deploy):
     """Health checks every 0.5 s with a 1 s timeout, a batch of many seconds: ranks answer
     pings from their control group while the batch runs, so the replica is never replaced."""
@@ -38,6 +45,69 @@ def test_a_batch_longer_than_the_health_check_budget_keeps_its_replica(deploy):
     assert r.json()["ditserve"]["replica"] in before and replica_ids(url) == before
     deployment = serve.status().applications["ditserve"].deployments["DiTReplica"]
     assert deployment.status == "HEALTHY"
+
+
+def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
+    """Two requests batched on a 2-rank replica; one caller leaves (its rows are dropped), then
+    the other: both ranks stop the batch at the same step boundary (the stop crosses Ray from
+    rank 1 as a pickled ``BatchCancelled``), both requests are counted, the replica is kept
+    (not broken) and its state stays consistent."""
+    url = deploy(SP2)  # the replica of the test before, when it ran: counters are compared as increases
+    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
+    before = replica_ids(url)
+    handle = serve.get_app_handle("ditserve")
+    quick = {"prompt": "after", "seed": 5, "num_inference_steps": 3}
+    reference = post(url, quick).json()["data"][0]["b64_json"]
+    base = router_stats(url)["counters"]
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 2})  # both queue behind it
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves first", "seed": 4, "num_inference_steps": 100})
+    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)  # a few steps in
+    leaving.cancel()  # its rows leave the batch at the next step boundary
+    time.sleep(2.0)
+    running.cancel()  # nobody is left: the batch stops
+    wait_until(lambda: counted(url, base)["cancelled_running"] == 1, timeout=60)
+    counters = counted(url, base)
+    assert 0 < counters["steps_saved"] < 100
+    # the request dropped before the stop is counted as dropped (it was lost with the stopped batch)
+    assert counters["cancelled_running_requests"] == 1 and 0 < counters["sample_steps_saved"] < 100
+    started = time.monotonic()
+    again = post(url, quick)
+    assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
+    assert again.json()["ditserve"]["replica"] in before and replica_ids(url) == before  # and kept
+    # the replica's state is consistent after the stopped batch: the same request, the same image
+    assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
+
+
+def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
+    """Two requests batched on a 2-rank replica; one caller leaves a few steps in: rank 0 learns
+    it from the Router, both ranks drop its rows at the same step, and the other request's
+    image is the one it gets alone."""
+    url = deploy(SP2)  # the replica of the tests before, when they ran: counters are compared as increases
+    base = router_stats(url)["counters"]
+    handle = serve.get_app_handle("ditserve")
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    stays = {**LONG, "prompt": "stays", "seed": 3}
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
+    staying = handle.generate.remote(stays)
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)
+    leaving.cancel()
+    answer = staying.result(timeout_s=600)
+    counters = counted(url, base)
+    assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
+    assert 0 < counters["sample_steps_saved"] < 40
+    assert answer.ditserve.batch_size == 2
+    alone = post(url, stays, timeout=600)
+    assert alone.json()["ditserve"]["batch_size"] == 1
+    assert np.abs(pixels(answer.data[0].b64_json) - pixels(alone.json()["data"][0]["b64_json"])).max() <= 2
 
 
 def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deploy):
@@ -63,67 +133,6 @@ def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deplo
     after = post(url, good[0], 600)
     assert after.status_code == 200 and after.json()["ditserve"]["replica"] != first
     assert replicas - {first}  # requests after the fault ran on the new replica
-
-
-def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
-    """Two requests batched on a 2-rank replica; one caller leaves (its rows are dropped), then
-    the other: both ranks stop the batch at the same step boundary (the stop crosses Ray from
-    rank 1 as a pickled ``BatchCancelled``), both requests are counted, the replica is kept
-    (not broken) and its state stays consistent."""
-    url = deploy(SP2, fresh=True)
-    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
-    before = replica_ids(url)
-    handle = serve.get_app_handle("ditserve")
-    quick = {"prompt": "after", "seed": 5, "num_inference_steps": 3}
-    reference = post(url, quick).json()["data"][0]["b64_json"]
-    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 2})  # both queue behind it
-    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    leaving = handle.generate.remote({**LONG, "prompt": "leaves first", "seed": 4, "num_inference_steps": 100})
-    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
-    wait_until(lambda: router_stats(url)["queued"] == 2)
-    blocker.result(timeout_s=600)
-    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
-    time.sleep(1.0)  # a few steps in
-    leaving.cancel()  # its rows leave the batch at the next step boundary
-    time.sleep(2.0)
-    running.cancel()  # nobody is left: the batch stops
-    wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) == 1, timeout=60)
-    counters = router_stats(url)["counters"]
-    assert 0 < counters["steps_saved"] < 100
-    # the request dropped before the stop is counted as dropped (it was lost with the stopped batch)
-    assert counters.get("cancelled_running_requests") == 1 and 0 < counters["sample_steps_saved"] < 100
-    started = time.monotonic()
-    again = post(url, quick)
-    assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
-    assert again.json()["ditserve"]["replica"] in before and replica_ids(url) == before  # and kept
-    # the replica's state is consistent after the stopped batch: the same request, the same image
-    assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
-
-
-def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
-    """Two requests batched on a 2-rank replica; one caller leaves a few steps in: rank 0 learns
-    it from the Router, both ranks drop its rows at the same step, and the other request's
-    image is the one it gets alone."""
-    url = deploy(SP2, fresh=True)
-    handle = serve.get_app_handle("ditserve")
-    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
-    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    stays = {**LONG, "prompt": "stays", "seed": 3}
-    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
-    staying = handle.generate.remote(stays)
-    wait_until(lambda: router_stats(url)["queued"] == 2)
-    blocker.result(timeout_s=600)
-    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
-    time.sleep(1.0)
-    leaving.cancel()
-    answer = staying.result(timeout_s=600)
-    counters = router_stats(url)["counters"]
-    assert counters.get("cancelled_running_requests") == 1 and counters.get("cancelled_running", 0) == 0
-    assert 0 < counters["sample_steps_saved"] < 40
-    assert answer.ditserve.batch_size == 2
-    alone = post(url, stays, timeout=600)
-    assert alone.json()["ditserve"]["batch_size"] == 1
-    assert np.abs(pixels(answer.data[0].b64_json) - pixels(alone.json()["data"][0]["b64_json"])).max() <= 2
 
 
 def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_stops(deploy):
