@@ -60,13 +60,17 @@ def main() -> None:
             client.post(endpoint, json=body).raise_for_status()
             runner.run(batch)
         http_ms, local_ms = [], []
+        served_parts, local_parts = [], []  # per request: the replica's (and Ingress's) timings_ms
         for _ in range(ns.iters):
             t0 = time.perf_counter()
-            client.post(endpoint, json=body).raise_for_status()
+            response = client.post(endpoint, json=body)
             http_ms.append((time.perf_counter() - t0) * 1e3)
+            response.raise_for_status()
+            served_parts.append(response.json()["ditserve"]["timings_ms"])
             t0 = time.perf_counter()
-            runner.run(batch)
+            (out,) = runner.run(batch)
             local_ms.append((time.perf_counter() - t0) * 1e3)
+            local_parts.append(out.timings_ms)
     finally:
         stop_app(served)
     http_p50, local_p50 = statistics.median(http_ms), statistics.median(local_ms)
@@ -74,8 +78,31 @@ def main() -> None:
     print(f"tiny-flux {ns.size}, {ns.steps} steps, {ns.threads} torch threads, {ns.iters} iterations")
     print(f"in-process p50: {local_p50:8.1f} ms")
     print(f"HTTP p50:       {http_p50:8.1f} ms")
+    print_breakdown(http_ms, served_parts, local_parts)
     print(f"ratio HTTP / in-process: {http_p50 / local_p50:.3f}   overhead: {http_p50 - local_p50:.1f} ms")
     print(f"target HTTP <= 1.10 x in-process + 15 ms = {budget:.1f} ms: {'MET' if http_p50 <= budget else 'MISSED'}")
+
+
+def print_breakdown(http_ms: list[float], served: list[dict], local: list[dict]) -> None:
+    """Where the HTTP request's time goes, p50 per part over the requests (ms): the replica's
+    ``denoise`` and ``decode`` (decode + image encoding) against the same parts in-process, the
+    Router's ``queue`` wait, the hops Ingress -> Router -> replica -> back (the Ingress's
+    ``total`` less the parts inside it) and client -> proxy -> Ingress -> back (HTTP less the
+    Ingress's ``total``). A p50 per part: the parts' p50s need not add up to the total's."""
+    def p50(values) -> float:
+        return statistics.median(values)
+
+    rows = [
+        ("denoise (replica / in-process)", p50(s["denoise"] for s in served), p50(s["denoise"] for s in local)),
+        ("decode + encode (replica / in-process)", p50(s["decode"] for s in served), p50(s["decode"] for s in local)),
+        ("Router queue", p50(s.get("queue", 0.0) for s in served), None),
+        ("Ingress -> Router -> replica -> back", p50(s["total"] - s.get("queue", 0.0) - s["denoise"] - s["decode"]
+                                                   for s in served), None),
+        ("client -> proxy -> Ingress -> back", p50(h - s["total"] for h, s in zip(http_ms, served, strict=True)), None),
+    ]
+    print("breakdown, p50 per part (ms):")
+    for name, value, reference in rows:
+        print(f"  {name:<40} {value:8.1f}" + ("" if reference is None else f" / {reference:8.1f}"))
 
 
 if __name__ == "__main__":
