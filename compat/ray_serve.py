@@ -16,7 +16,7 @@ TESTED = ">=2.60,<2.61"
 RELIES_ON = (
     Reliance("ray.serve.request_router", "RequestRouter", "the replica-choice extension point"),
     Reliance("ray.serve.context", "_get_global_client",
-             "deploying a config file in-process (tests); the HTTP options of a running Serve"),
+             "deploying a config file in-process (tests); whether Serve runs and its HTTP options"),
     Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
              "Serve's default request router, subclassed to watch the replica set with affinity off"),
 )
@@ -56,6 +56,14 @@ def http_options() -> dict:
     except AttributeError as exc:
         raise CompatError(f"Ray Serve's client no longer has http_config ({exc}); ditserve is tested "
                           f"with ray{TESTED}") from None
+
+
+def serve_running() -> bool:
+    """Whether Serve's controller runs in the connected cluster (``serve.status()`` answers the
+    same empty status before Serve starts as for a Serve without applications)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
 def power_of_two_choices_router() -> type:

@@ -10,13 +10,13 @@ import importlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -44,13 +44,59 @@ def load_serve_config(path: str | Path) -> dict:
 
 @dataclass(frozen=True)
 class Served:
-    """Where :func:`start_app` deployed the app: its base ``url``, its application ``name`` and
-    whether it ``joined`` a Ray cluster that was running before (then :func:`stop_app` removes
-    only this application; otherwise it shuts down the Serve instance and the cluster it started)."""
+    """Where :func:`start_app` deployed the app: its application ``name`` at ``route_prefix``,
+    the ``host``/``port`` Serve listens on, and whether it ``joined`` a Ray cluster that ran
+    before (then :func:`stop_app` removes only what it added: the application, and Serve when it
+    started Serve there; otherwise it shuts down the Serve instance and cluster it started)."""
 
-    url: str
     name: str
+    route_prefix: str
+    host: str
+    port: int
     joined: bool
+    started_serve: bool = False
+
+    @property
+    def url(self) -> str:
+        """The base URL, for a client on this machine when Serve listens on every interface."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
+
+
+class CannotStart(RuntimeError):
+    """``ditserve serve`` / ``demo`` could not start the app (one line on stderr, exit 1)."""
+
+
+CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in this long is refused
+
+
+def _gcs_reachable(address: str) -> None:
+    """Refuse at once an address that is not ``auto`` or a reachable ``HOST:PORT`` (``ray.init``
+    retries an unreachable one for minutes). Raises :class:`CannotStart`."""
+    if address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not host or not port.isdigit():
+        raise CannotStart(f"--address takes a Ray cluster's GCS address HOST:PORT (e.g. 127.0.0.1:6379) or auto, "
+                          f"got {shown(address)}" + (" (a dashboard URL is for job submission)"
+                                                     if address.startswith("http") else ""))
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise CannotStart(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
+                          "`ray start --head`, or leave out --address (and $RAY_ADDRESS) to start a local one") from None
+
+
+def _port_free(host: str, port: int) -> None:
+    """Refuse a ``host``/``port`` another program listens on (Serve's proxy would fail with a
+    long traceback, or bind beside a server on every interface). Raises :class:`CannotStart`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
 
 
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
@@ -59,34 +105,69 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
 
     ``address`` is ``ray.init``'s: ``"local"`` (default) starts a new local cluster with
     ``num_cpus`` CPUs, whatever else runs on this machine; ``"auto"`` or ``HOST:PORT`` joins that
-    running cluster. In a cluster whose Serve already runs,
-    Serve keeps its HTTP options: the returned URL is the ones it listens on (``host``/``port``
-    are then ignored). Raises ``ConnectionError`` if an address names no running cluster."""
+    running cluster (as does a process where Ray is initialised already). In a cluster whose Serve
+    already runs, Serve keeps its HTTP options: ``Served`` holds the ones it listens on
+    (``host``/``port`` are then ignored). Raises :class:`CannotStart` (one line) when the port is
+    taken, no cluster answers at ``address`` or it refuses this process (token authentication),
+    an application named ``name`` runs there already (it is not replaced), or Serve refuses the
+    application (a route prefix in use)."""
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
-    from compat.ray_serve import http_options
+    from compat.ray_serve import http_options, serve_running
     from deployments.app import build_app
 
-    install_proxy_middleware()  # a cluster started here: its proxy answers its own errors in OpenAI's envelope
-    ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    listening = http_options()  # the running Serve's, when it ran before with others
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-    return Served(f"http://{listening['host']}:{listening['port']}{route_prefix.rstrip('/')}", name,
-                  joined=address != "local")
+    joined = ray.is_initialized() or address != "local"
+    if not ray.is_initialized():
+        if address == "local":
+            _port_free(host, port)
+        else:
+            _gcs_reachable(address)
+        install_proxy_middleware()  # a cluster started here: its proxy answers its own errors in OpenAI's envelope
+        try:
+            ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "auth" in str(exc).lower():
+                said = ("it requires token authentication: set RAY_AUTH_MODE=token (the token is read from "
+                        "$RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+            raise CannotStart(f"could not join the Ray cluster at {address}: {said}") from None
+    started_serve = joined and not serve_running()
+    served = None
+    try:
+        if joined and name in serve.status().applications:
+            raise CannotStart(f"an application named {name!r} already runs in the Ray cluster at "
+                              f"{ray.get_runtime_context().gcs_address}; `ditserve serve` does not replace it: name "
+                              "yours otherwise in --config (applications[].name), or delete that one first")
+        serve.start(http_options={"host": host, "port": port})
+        listening = http_options()  # the running Serve's, when it ran before with others
+        served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve)
+        try:
+            serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+        except (RayServeException, ValueError) as exc:  # a route prefix in use, ...
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CannotStart(f"Serve refused application {name!r}: {said}") from None
+        return served
+    except BaseException:
+        stop_app(served or Served(name, route_prefix, host, port, joined, started_serve), deployed=served is not None)
+        raise
 
 
-def stop_app(served: Served) -> None:
-    """Undo :func:`start_app`: in a cluster it joined, delete only its application; in one it
-    started, shut Serve and the cluster down."""
+def stop_app(served: Served, deployed: bool = True) -> None:
+    """Undo :func:`start_app`: in a cluster it joined, delete its application (``deployed``)
+    and, when it started Serve there and no other application runs, Serve; in one it started,
+    shut Serve and the cluster down."""
     import ray
     from ray import serve
 
-    if served.joined:
-        serve.delete(served.name)
-    else:
+    if not served.joined:
         serve.shutdown()
+    else:
+        if deployed and served.name in serve.status().applications:
+            serve.delete(served.name)
+        if served.started_serve and not serve.status().applications:
+            serve.shutdown()
     ray.shutdown()
 
 
@@ -317,16 +398,21 @@ def _cmd_serve(ns) -> int:
     http = config["http_options"]
     host, port = ns.host or http["host"], ns.port or http["port"]
     address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
-    served = start_app(config["args"], host=host, port=port, name=config["name"],
-                       route_prefix=config["route_prefix"], address=address)
-    url = served.url
+    try:
+        served = start_app(config["args"], host=host, port=port, name=config["name"],
+                           route_prefix=config["route_prefix"], address=address)
+    except CannotStart as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     if served.joined:
-        print(f"joined the Ray cluster at {address}: application {served.name!r} deployed there "
-              f"(Ctrl-C deletes it and leaves the cluster's other applications running)", flush=True)
-        listening = urlsplit(url)
-        if (listening.hostname, listening.port) != (host, port):
-            print(f"note: Serve already runs in that cluster and keeps its HTTP options: {host}:{port} "
-                  "is not used", flush=True)
+        import ray
+
+        print(f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}: application {served.name!r} "
+              "deployed there (Ctrl-C deletes it and leaves the cluster's other applications running)", flush=True)
+        if (served.host, served.port) != (host, port):
+            print(f"note: Serve already runs in that cluster and keeps its HTTP options ({served.host}:{served.port}): "
+                  f"{host}:{port} is not used", flush=True)
+    url = served.url
     print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
           "Ctrl-C stops)",
           flush=True)

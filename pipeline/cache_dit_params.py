@@ -56,8 +56,17 @@ class CacheDiTKnobs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_unset(cls, data: Any) -> Any:
-        """A key given ``null`` is unset (cache-dit's default), as ``null`` is a request field's default."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        """A known key given ``null`` is unset (cache-dit's default), as ``null`` is a request
+        field's default; an unknown one stays, to be refused. A ``secondary`` that sets no knob
+        is no ``secondary``."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        secondary = data.get("secondary")
+        if isinstance(secondary, dict) and all(v is None for k, v in secondary.items() if k in CacheDiTKnobs.model_fields) \
+                and set(secondary) <= set(CacheDiTKnobs.model_fields):
+            data.pop("secondary")
+        return data
 
     def set_knobs(self) -> dict:
         """The knobs this override sets, by cache-dit's names (unset ones left out)."""

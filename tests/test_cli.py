@@ -238,8 +238,39 @@ class _Serving:
         return rc
 
 
-def _serve_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _serve_env(**extra: str) -> dict:
+    """This environment as a shell's (``ray.init`` in the tests set ``RAY_AUTH_MODE``), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}, **extra}
+
+
+def _serve_fails(*args: str, env: dict | None = None) -> str:
+    """``ditserve serve ARGS`` that must fail at once: its error line (one, the last, exit 1)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "serve", *args], env=env or _serve_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # after Ray's INFO lines
+    assert len(ours) == 1 and proc.stderr.endswith(ours[0] + "\n") and "Traceback" not in proc.stderr, \
+        proc.stderr[-3000:]
+    return ours[0]
+
+
+def test_serve_refuses_a_taken_port_and_an_address_nothing_answers_at_in_one_line():
+    """Each was a long traceback, and an address nothing listens at was retried for ~14 minutes."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert f"cannot listen on 127.0.0.1:{port}" in _serve_fails("--port", str(port))
+    nowhere = f"127.0.0.1:{free_port('127.0.0.1')}"
+    assert f"no Ray cluster answers at {nowhere}" in _serve_fails("--address", nowhere)
+    said = _serve_fails("--address", "http://127.0.0.1:8265")  # the dashboard's URL, as job submission takes
+    assert "HOST:PORT" in said and "dashboard URL" in said
+    assert "HOST:PORT" in _serve_fails(env=_serve_env(RAY_ADDRESS="nowhere"))
 
 
 @pytest.mark.slow
@@ -252,8 +283,8 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
     deploy()
     before = serve.status().applications["ditserve"].deployments.keys()
     port = free_port("127.0.0.1")
-    server = _Serving("--port", str(port), env=_serve_env())
-    try:
+    server = _Serving("--host", "0.0.0.0", "--port", str(port), env=_serve_env())
+    try:  # Serve listens on every interface; the URL printed is one to open here
         assert server.url == f"http://127.0.0.1:{port}" and not any("joined" in ln for ln in server.lines)
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
         assert set(serve.status().applications) == {"ditserve"}  # nothing deployed into this cluster
@@ -268,17 +299,22 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
 def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_cluster, deploy, tmp_path):
     """``--address`` deploys into that cluster; its Serve keeps its own HTTP options (the URL
     printed is the one it listens on, with a note that ``--port`` is unused) and Ctrl-C deletes
-    only the application deployed, not the cluster's others or its Serve."""
+    only the application deployed, not the cluster's others or its Serve. An application of the
+    same name there is not replaced (it was, then deleted on Ctrl-C)."""
     import yaml
     from ray import serve
 
     deploy()
+    auth = _serve_env(RAY_AUTH_MODE="token")  # the tests' cluster has token authentication (README)
+    said = _serve_fails("--address", ray_cluster["gcs_address"], env=auth)  # the default config: 'ditserve'
+    assert "an application named 'ditserve' already runs" in said
+    assert serve.status().applications["ditserve"].status == "RUNNING"
     config = {"applications": [{"name": "cli-joined", "route_prefix": "/joined", "import_path": "deployments.app:build_app",
                                 "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}}}]}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     unused = free_port("127.0.0.1")
     server = _Serving("--address", ray_cluster["gcs_address"], "--config", str(tmp_path / "serve.yaml"),
-                      "--port", str(unused), env=_serve_env())
+                      "--port", str(unused), env=auth)
     try:
         assert server.url == f"{ray_cluster['url']}/joined", server.lines
         said = "".join(server.lines)

@@ -250,4 +250,10 @@ def test_null_in_cache_dit_params_is_unset():
 
     nested = CacheDiTParams.model_validate({"secondary": {"Fn_compute_blocks": None, "max_warmup_steps": 3}})
     assert nested == CacheDiTParams.model_validate({"secondary": {"max_warmup_steps": 3}})
+    # a secondary that sets no knob is none: a one-transformer model takes it (it was a 400)
+    assert validate_image_request({"prompt": "a", "cache_dit_params": {**knobs, "secondary": {"Fn_compute_blocks": None}}},
+                                  LIMITS) == plain
+    # a misspelt key is refused, null or not (a review found null ones passing)
+    for body in ({"Fn_compute_blok": None}, {"secondary": {"Fn_compute_blok": None}}):
+        assert "Fn_compute_blok" in reasons({"prompt": "a", "cache_dit_params": body}).message, body
     assert "cache_dit_params.Fn_compute_blocks" in reasons({"prompt": "a", "cache_dit_params": {"Fn_compute_blocks": "2"}}).message
