@@ -129,9 +129,9 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
             ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
             said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if "auth" in str(exc).lower():
-                said = ("it requires token authentication: set RAY_AUTH_MODE=token (the token is read from "
-                        "$RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+            if not os.environ.get("RAY_AUTH_MODE"):  # Ray sends no token to an explicit address unless asked
+                said += ("; if the cluster uses token authentication (Ray's default), set RAY_AUTH_MODE=token "
+                         "(the token is read from $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
             raise CannotStart(f"could not join the Ray cluster at {address}: {said}") from None
     started_serve = joined and not serve_running()
     served = None

@@ -305,7 +305,10 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     from ray import serve
 
     deploy()
-    auth = _serve_env(RAY_AUTH_MODE="token")  # the tests' cluster has token authentication (README)
+    # the tests' cluster has token authentication: joined without RAY_AUTH_MODE, Ray retries for
+    # ~20 s, then the line says what to set (it was a traceback)
+    assert "set RAY_AUTH_MODE=token" in _serve_fails("--address", ray_cluster["gcs_address"])
+    auth = _serve_env(RAY_AUTH_MODE="token")
     said = _serve_fails("--address", ray_cluster["gcs_address"], env=auth)  # the default config: 'ditserve'
     assert "an application named 'ditserve' already runs" in said
     assert serve.status().applications["ditserve"].status == "RUNNING"
