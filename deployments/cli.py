@@ -609,7 +609,11 @@ def _cmd_video(ns) -> int:
 def _cmd_demo(ns) -> int:
     port = free_port("127.0.0.1")
     print("starting Ray Serve with the embedded tiny-flux model ...", flush=True)
-    served = start_app({}, host="127.0.0.1", port=port, num_cpus=4)  # its own local cluster, always
+    try:
+        served = start_app({}, host="127.0.0.1", port=port, num_cpus=4)  # its own local cluster, always
+    except CannotStart as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     try:
         meta = generate_image(served.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed)
     finally:
