@@ -68,6 +68,12 @@ class CannotStart(RuntimeError):
     """``ditserve serve`` / ``demo`` could not start the app (one line on stderr, exit 1)."""
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (Ray's and Serve's run to many), else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in this long is refused
 
 
@@ -128,7 +134,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         try:
             ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            said = _first_line(exc)
             if not os.environ.get("RAY_AUTH_MODE"):  # Ray sends no token to an explicit address unless asked
                 said += ("; if the cluster uses token authentication (Ray's default), set RAY_AUTH_MODE=token "
                          "(the token is read from $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
@@ -146,7 +152,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         try:
             serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
         except (RayServeException, ValueError) as exc:  # a route prefix in use, ...
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            said = _first_line(exc)
             raise CannotStart(f"Serve refused application {name!r}: {said}") from None
         return served
     except BaseException:
