@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.compute_thread import ComputeThread
 from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
@@ -106,14 +107,12 @@ class RankWorker:
 
     def __init__(self, rank: int, model: dict, acceleration: dict, parallel: dict, torch_threads: int | None,
                  cpu_nice: int = 0):
-        import torch
-
         os.nice(cpu_nice)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
         self.rank = rank
         self.config = ParallelConfig.of(parallel)
-        self.runner = make_runner(model, acceleration, rank)
+        # all torch work on one thread (the constructor and the concurrency groups run on others)
+        self.compute = ComputeThread(f"ditserve-rank{rank}", torch_threads)
+        self.runner = self.compute.call(make_runner, model, acceleration, rank)
 
     @ray.method(concurrency_group="control")
     def ready(self) -> int:
@@ -123,17 +122,20 @@ class RankWorker:
 
     @ray.method(concurrency_group="batch")
     def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> int:
-        mesh = join(self.rank, self.config, master_addr, master_port, str(self.runner.family.device), timeout_s)
-        self.runner.enable_parallel(self.config, mesh, self.rank)
+        def joined() -> None:
+            mesh = join(self.rank, self.config, master_addr, master_port, str(self.runner.family.device), timeout_s)
+            self.runner.enable_parallel(self.config, mesh, self.rank)
+
+        self.compute.call(joined)
         return self.rank
 
     @ray.method(concurrency_group="batch")
     def run_batch(self, batch: Batch) -> None:
-        self.runner.run(batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
+        self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
 
     @ray.method(concurrency_group="batch")
     def denoise(self, batch: Batch):
-        return self.runner.denoise(batch)
+        return self.compute.call(self.runner.denoise, batch)
 
     @ray.method(concurrency_group="control")
     def counters(self) -> dict:
@@ -183,12 +185,13 @@ class RankGroup:
             self.kill()
             raise ValueError("bad parallel layout: " + "; ".join(problems))
         self.runner = None  # rank 0's BatchRunner, once joined
+        self.compute = None  # rank 0's ComputeThread, once joined
         self.parameter_bytes: list[int] = []  # per rank, once joined
 
-    def join(self, runner) -> None:
-        """Wait until every rank has loaded, then form the process group with rank 0's ``runner``.
-        Raises ``ValueError`` for a layout the model cannot take; the rendezvous raises after
-        ``rendezvous_timeout_s``."""
+    def join(self, runner, compute: ComputeThread) -> None:
+        """Wait until every rank has loaded, then form the process group with rank 0's ``runner``,
+        whose torch work runs on ``compute`` (not the calling thread). Raises ``ValueError``
+        for a layout the model cannot take; the rendezvous raises after ``rendezvous_timeout_s``."""
         problems = self.config.startup_problems(num_heads=runner.family.num_attention_heads)
         if problems:
             raise ValueError("bad parallel layout: " + "; ".join(problems))
@@ -197,12 +200,16 @@ class RankGroup:
         self.parameter_bytes = [runner.parameter_bytes(), *loaded]
         address, port = ray.util.get_node_ip_address(), free_port()
         joined = [w.join.remote(address, port, self.rendezvous_timeout_s) for w in self.workers]
-        mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)
-        runner.enable_parallel(self.config, mesh, 0)
+
+        def join_rank0() -> None:
+            mesh = join(0, self.config, address, port, str(runner.family.device), self.rendezvous_timeout_s)
+            runner.enable_parallel(self.config, mesh, 0)
+
+        compute.call(join_rank0)
         ray.get(joined)
         if self.config.shard_weights:  # each rank now holds its shards only
             self.parameter_bytes = [runner.parameter_bytes(), *ray.get([w.ready.remote() for w in self.workers])]
-        self.runner = runner
+        self.runner, self.compute = runner, compute
 
     async def run(self, batch: Batch, on_step=None, should_stop=None, on_preview=None, requests_gone=None):
         """Run ``batch`` on every rank; rank 0's outputs (``on_step`` follows rank 0's steps).
@@ -212,8 +219,8 @@ class RankGroup:
         else :class:`GroupBroken` as soon as any rank fails (others may be blocked in a
         collective; they are not waited for).
         """
-        rank0 = asyncio.ensure_future(asyncio.to_thread(self.runner.run, batch, on_step, should_stop, on_preview,
-                                                        requests_gone))
+        rank0 = asyncio.ensure_future(self.compute.run(self.runner.run, batch, on_step, should_stop, on_preview,
+                                                       requests_gone))
         others = [asyncio.ensure_future(_awaited(w.run_batch.remote(batch))) for w in self.workers]
         tasks = [rank0, *others]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -233,7 +240,7 @@ class RankGroup:
     def run_sync(self, batch: Batch):
         """``run`` for the replica's constructor (warmup), outside any event loop."""
         pending = [w.run_batch.remote(batch) for w in self.workers]
-        outputs = self.runner.run(batch)
+        outputs = self.compute.call(self.runner.run, batch)
         ray.get(pending)
         return outputs
 

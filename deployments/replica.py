@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
+from deployments.compute_thread import ComputeThread
 from deployments.faults import batch_fault, startup_fault
 from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
@@ -68,8 +69,9 @@ class DiTReplica:
     """Loads the checkpoint at start; ``run_batch`` executes one signature-homogeneous batch
     and streams its events (started, per-step progress when a request shows it, previews).
 
-    ``max_ongoing_requests=1`` makes Serve hand it one batch at a time; the batch runs in a
-    worker thread so the actor stays responsive to health checks. It reports the signature
+    ``max_ongoing_requests=1`` makes Serve hand it one batch at a time; the batch runs on the
+    replica's one compute thread (``ComputeThread``: all its torch work does) so the actor stays
+    responsive to health checks. It reports the signature
     of its last batch (its acceleration state) to the request router.
 
     A replica whose process group a batch broke (a rank died, or ranks failed differently)
@@ -98,19 +100,17 @@ class DiTReplica:
         if self._parallel.world_size > 1:  # ranks 1..N-1 start and load now, while rank 0 imports and loads
             self._ranks = RankGroup(model, acceleration, parallel or {}, torch_threads, rank_resources or {"CPU": 1},
                                     name_prefix=f"ditserve-{self._replica_id}", cpu_nice=cpu_nice)
-        import torch  # not at module import, so that the rank actors above start first
-
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self._runner = make_runner(model, acceleration)
+        # torch is imported there, not at module import, so that the rank actors above start first
+        self._compute = ComputeThread("ditserve-compute", torch_threads)
+        self._runner = self._compute.call(make_runner, model, acceleration)
         if self._ranks is not None:
-            self._ranks.join(self._runner)
+            self._ranks.join(self._runner, self._compute)
         self._parameter_bytes = self._ranks.parameter_bytes if self._ranks else [self._runner.parameter_bytes()]
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
             warmup = Batch("warmup", BatchSignature.of(head), (head,))
-            self._runner.run(warmup) if self._ranks is None else self._ranks.run_sync(warmup)
+            self._compute.call(self._runner.run, warmup) if self._ranks is None else self._ranks.run_sync(warmup)
         self._lora_metrics = {key: Counter(f"ditserve_{key}", f"LoRA adapter {key.removeprefix('lora_')} on this "
                                                                "replica (rank 0)")
                               for key in self._runner.lora.counters}
@@ -133,7 +133,7 @@ class DiTReplica:
         if new:
             async with self._lock:
                 for name, path in new:
-                    await asyncio.to_thread(self._runner.lora.check, name, path)
+                    await self._compute.run(self._runner.lora.check, name, path)
         self._loras = dict(loras)
 
     def facts(self) -> ModelFacts:
@@ -243,7 +243,7 @@ class DiTReplica:
             progress = on_step if batch.report_steps else None  # step events cost CPU: only when shown
             steps.put_nowait({"started": batch.batch_id})  # from here on a failure is this batch's, not a refusal
             if self._ranks is None:
-                work = asyncio.ensure_future(asyncio.to_thread(self._runner.run, batch, progress, stop.is_set,
+                work = asyncio.ensure_future(self._compute.run(self._runner.run, batch, progress, stop.is_set,
                                                                on_preview, requests_gone))
             else:
                 work = asyncio.ensure_future(self._ranks.run(batch, progress, stop.is_set, on_preview, requests_gone))

@@ -1,0 +1,47 @@
+"""The one thread on which a replica process (and each rank actor) runs its torch work.
+
+PyTorch's CPU build runs each op's intra-op parallelism on OpenMP, and OpenMP keeps a pool
+of worker threads for every thread that calls into it (GNU libgomp: one team per calling
+thread, whose workers spin for a while after each parallel region before they sleep). A
+replica that loaded its model on Serve's constructor thread and ran its batches on asyncio's
+default executor owned two such pools on the same cores. Measured on the embedded tiny-flux
+(16 steps, 64x64 pixels, 2 torch threads, 2 cores; ``bench/overhead.py`` and a plain loop):
+one batch took 180-240 ms when one thread ran every batch, 350-430 ms once a second live thread
+had also run torch work; in the served replica its denoise was 12-43 ms slower than the same
+batch in-process. So everything of a replica that runs torch (load, warmup, adapter checks,
+batches) goes through one :class:`ComputeThread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+
+class ComputeThread:
+    """One long-lived worker thread; ``call`` runs a function on it and waits, ``run`` awaits
+    it from an event loop. Calls run one after another in submission order. Calling ``call``
+    from the thread itself would deadlock: functions run here must not call back into it."""
+
+    def __init__(self, name: str, torch_threads: int | None = None):
+        """``torch_threads``: ``torch.set_num_threads`` applied on the thread itself (OpenMP's
+        thread count is per calling thread); None keeps torch's default."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        if torch_threads:
+            self.call(_set_torch_threads, torch_threads)
+
+    def call(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the thread; blocks until it returns, raises what it raises."""
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    async def run(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the thread, awaited. Cancelling the await does not stop a
+        call already running (as with ``asyncio.to_thread``): stop it through its own checks."""
+        return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+
+
+def _set_torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
