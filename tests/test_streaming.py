@@ -20,6 +20,10 @@ def test_preview_steps_are_evenly_spaced_before_the_end():
     assert preview_steps(16, 3) == [4, 8, 12]
     assert preview_steps(2, 3) == [1]  # short runs make fewer previews
     assert preview_steps(16, 0) == [] and preview_steps(1, 3) == []
+    assert preview_steps(3, 3) == [1, 2]  # one per step boundary before the last
+    for steps in range(1, 60):
+        for partial_images in range(4):
+            assert len(preview_steps(steps, partial_images)) == min(partial_images, steps - 1)
 
 
 def test_previews_only_for_requests_that_ask_and_change_nothing_else():
