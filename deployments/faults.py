@@ -1,9 +1,10 @@
 """Fault injection for chaos tests and drills, switched on by environment variables only.
 
 ``DITSERVE_FAIL_SIGNATURES_CONTAINING=TEXT``: a batch whose signature text contains TEXT fails
-in the replica before it runs, as a model error would. ``DITSERVE_FAIL_RANK=RANK:TEXT``: rank
-RANK alone raises after the first denoising step of such a batch, while the other ranks go on
-into the next step's collectives (what an out-of-memory on one GPU does).
+in the replica before it runs, as a model error would. ``DITSERVE_FAIL_RANK=RANK:TEXT[@STEP]``: rank
+RANK alone raises after denoising step STEP (1 by default) of such a batch, while the other ranks
+go on into the next step's collectives (what an out-of-memory on one GPU does); rank 0 is the
+replica itself (a single-rank replica's model failing mid-batch).
 ``DITSERVE_FAIL_STARTUP=TEXT``: the replica's constructor raises (a checkpoint that no longer
 loads, a broken device), so a deploy or a redeploy of DiTReplica with it fails.
 """
@@ -31,16 +32,21 @@ def batch_fault(batch: Batch) -> str | None:
     return f"injected fault for signature {batch.signature}" if text and text in str(batch.signature) else None
 
 
-def rank_fault(rank: int, batch: Batch):
-    """An ``on_step`` callback that raises on ``rank`` after step 1 of a matching batch, or None."""
+def rank_fault(rank: int, batch: Batch, on_step=None):
+    """``on_step`` (an ``on_step(done, total)`` callback, or None), made to raise on ``rank``
+    after the configured step of a matching batch (:data:`RANK_FAULT_ENV`)."""
     spec = os.environ.get(RANK_FAULT_ENV)
     if not spec or ":" not in spec:
-        return None
+        return on_step
     target, _, text = spec.partition(":")
+    text, at, step = text.rpartition("@") if "@" in text else (text, "", "1")
     if int(target) != rank or text not in str(batch.signature):
-        return None
+        return on_step
 
-    def fail(done: int, _total: int) -> None:
-        raise RuntimeError(f"injected fault on rank {rank} after step {done} of batch {batch.batch_id}")
+    def fail(done: int, total: int) -> None:
+        if on_step is not None:
+            on_step(done, total)
+        if done == int(step):
+            raise RuntimeError(f"injected fault on rank {rank} after step {done} of batch {batch.batch_id}")
 
     return fail

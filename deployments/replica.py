@@ -13,14 +13,14 @@ from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
 from deployments.compute_thread import ComputeThread
-from deployments.faults import batch_fault, startup_fault
+from deployments.faults import batch_fault, rank_fault, startup_fault
 from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.errors import BatchCancelled, ReplicaUnavailableError
+from pipeline.errors import BatchCancelled, ReplicaUnavailableError, dropped_rows
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
@@ -212,6 +212,8 @@ class DiTReplica:
         batch order, or ``{"cancelled_at": steps_done, "steps": steps, "dropped": {request_id:
         steps_done}}`` when every caller left and the batch stopped at a step boundary
         (``_stop_when_unwanted``; ``dropped``: the requests whose rows had left it earlier).
+        A batch that fails after some rows left it yields ``{"dropped": {request_id: steps_done}}``
+        before its error.
 
         Raises ``ReplicaUnavailableError`` before starting anything when the replica is broken;
         what the model raises otherwise. When the caller cancels the stream, the batch stops at
@@ -241,6 +243,7 @@ class DiTReplica:
             gone = {"ids": frozenset()}
             requests_gone = lambda: gone["ids"]  # noqa: E731 - read from the worker thread
             progress = on_step if batch.report_steps else None  # step events cost CPU: only when shown
+            progress = rank_fault(0, batch, progress)  # a fault injected on rank 0 (deployments.faults)
             steps.put_nowait({"started": batch.batch_id})  # from here on a failure is this batch's, not a refusal
             if self._ranks is None:
                 work = asyncio.ensure_future(self._compute.run(self._runner.run, batch, progress, stop.is_set,
@@ -271,6 +274,11 @@ class DiTReplica:
                 return
             except GroupBroken as exc:
                 self._break(str(exc))
+                raise
+            except Exception as exc:  # the batch failed: first name the rows that had left it (counted)
+                rows = dropped_rows(exc)
+                if rows:
+                    yield {"dropped": {batch.requests[i].request_id: step for i, step in rows.items()}}
                 raise
         report = BatchReport(batch_id=batch.batch_id, batch_size=batch.size, signature=str(batch.signature),
                              replica=self._replica_id, world_size=self._parallel.world_size,

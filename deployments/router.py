@@ -633,6 +633,10 @@ class Router:
                             f"request {p.params.request_id}'s batch was stopped while the router was being "
                             "replaced; retry", code="unavailable", request_id=p.params.request_id))
                     return
+                elif isinstance(event, dict) and "dropped" in event:  # the batch failed after these rows left
+                    for p in pending:
+                        if p.params.request_id in event["dropped"]:
+                            self._count_dropped(p, event["dropped"][p.params.request_id])
                 elif isinstance(event, dict) and "started" in event:  # the replica began running it
                     started = True
                     self._unstarted.pop(batch.batch_id, None)

@@ -139,6 +139,22 @@ class BatchCancelled(Exception):
         return type(self), (self.steps_done, self.steps, self.dropped)
 
 
+DROPPED_ROWS_ATTR = "ditserve_dropped_rows"
+
+
+def record_dropped_rows(exc: BaseException, dropped: dict[int, int]) -> None:
+    """Note on ``exc``, a batch's failure, the requests whose rows had left that batch before it
+    failed (batch index -> steps done then; their callers had left), so that their saved work is
+    still counted (the Router counts it from the replica's ``dropped`` event)."""
+    if dropped:
+        setattr(exc, DROPPED_ROWS_ATTR, dict(dropped))
+
+
+def dropped_rows(exc: BaseException) -> dict[int, int]:
+    """What :func:`record_dropped_rows` noted on ``exc`` (empty when nothing was dropped)."""
+    return dict(getattr(exc, DROPPED_ROWS_ATTR, None) or {})
+
+
 class SharedFailure(RuntimeError):
     """A step every rank of a sequence-parallel replica takes together failed on rank 0 (the
     encode of a batch's prompts, which rank 0 does for all): every rank raises it at the same

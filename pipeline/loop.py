@@ -290,7 +290,7 @@ def select_scheduler_rows(scheduler, rows: torch.Tensor) -> None:
 def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule | None = None, on_step=None,
                   on_guide_skipped=None, decode: bool = True, should_stop=None, encode=conditioning,
                   on_preview=None, prepare=initial_latents, branches=None, vae_decode=None,
-                  rows_gone=None) -> LoopOutput:
+                  rows_gone=None, dropped: dict[int, int] | None = None) -> LoopOutput:
     """Run a signature-homogeneous batch through ``family`` (a ``ModelFamily``) and decode it.
 
     ``schedule``: from :func:`plan_batch` (made here when None). ``on_step(i, num_steps)`` is
@@ -301,7 +301,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     after it: the batch indices of requests nobody waits for any more, whose sample rows are
     then dropped from the batch (latents, conditioning, positions, the scheduler's per-sample
     history) so the others finish alone, each as it would have (``LoopOutput.dropped``); every
-    rank must get the same answer at the same step. ``encode``: how the
+    rank must get the same answer at the same step; ``dropped`` (a dict, filled as it happens:
+    batch index -> steps done) lets a caller know them when the loop raises. ``encode``: how the
     prompts are encoded (:func:`conditioning`; a sequence-parallel runner passes one that
     encodes on rank 0 and broadcasts); ``prepare``: how the initial latents are made
     (:func:`initial_latents`; likewise). ``branches``: who makes a step's forwards
@@ -336,7 +337,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         for j, p in enumerate(kept):
             for k, step_count in enumerate(preview_steps(num_steps, p.partial_images)):
                 previews.setdefault(step_count, []).append((j, k))
-    delta, reused, calls, dropped = None, 0, {}, {}
+    delta, reused, calls = None, 0, {}
+    dropped = {} if dropped is None else dropped
     for i, t in enumerate(schedule.timesteps):
         step = plan[i]
         guided = step.guide is not None and i < gate_at

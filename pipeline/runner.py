@@ -17,7 +17,8 @@ import torch
 from compat import torch as torch_compat
 from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import BatchCancelled, InvalidRequestError, LoraLoadError, SharedFailure
+from pipeline.errors import (BatchCancelled, InvalidRequestError, LoraLoadError, SharedFailure,
+                             record_dropped_rows)
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
@@ -356,7 +357,8 @@ class BatchRunner:
         (not while Cache-DiT runs: its buffers hold every row's residuals, so such a batch runs
         its rows to the end and only a whole-batch stop saves work). Raises ``StateTransitionError`` when
         the state cannot be reached, else whatever the model or cache-dit raises, after leaving
-        Cache-DiT unmounted."""
+        Cache-DiT unmounted, with the rows dropped before it noted on it
+        (``pipeline.errors.dropped_rows``)."""
         head = batch.requests[0]
         schedule = plan_batch(self.family, head)
         self.prepare_state(batch.batch_id, head, schedule)
@@ -366,6 +368,7 @@ class BatchRunner:
         stop, gone = self.boundary_checks(batch, should_stop, requests_gone)
         if caching:
             gone = None  # same state on every rank: every rank keeps the rows
+        dropped: dict[int, int] = {}
         try:
             return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped if self.cfg is None else None,
@@ -373,11 +376,13 @@ class BatchRunner:
                                  should_stop=stop, rows_gone=gone,
                                  encode=conditioning if self.world_size == 1 else self._shared_conditioning,
                                  prepare=initial_latents if self.world_size == 1 else self._shared_latents,
-                                 branches=self.cfg, vae_decode=self._parallel_decode if self.parallel_vae else None)
+                                 branches=self.cfg, vae_decode=self._parallel_decode if self.parallel_vae else None,
+                                 dropped=dropped)
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
-        except Exception:
+        except Exception as exc:
             self.reset_cache()
+            record_dropped_rows(exc, dropped)
             raise
 
     def _shared_conditioning(self, family, batch, plan):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.errors import BatchCancelled
+from pipeline.errors import BatchCancelled, dropped_rows
 from pipeline.runner import BatchRunner
 from tests.helpers import batch_of
 from tests.helpers import flux_params as params
@@ -116,3 +116,26 @@ def test_a_stopped_batch_names_the_rows_it_had_dropped_before(flux):
         flux.denoise(batch, on_step=on_step, requests_gone=lambda: frozenset({"r3"}),
                      should_stop=lambda: done["steps"] >= 2)
     assert (stopped.value.steps_done, stopped.value.dropped) == (2, {2: 1})
+
+
+def test_a_failed_batch_names_the_rows_it_had_dropped_before(flux):
+    """The model fails at step 4 after request r2's rows left at step 1: the error the runner
+    raises names r2 and its step (``dropped_rows``), so the Router still counts its saved work;
+    a failure with nothing dropped names nothing."""
+    batch = batch_of(*(params(f"prompt {s}", s, steps=6, size=(64, 64)) for s in (1, 2, 3)))
+    done = {"steps": 0}
+
+    def on_step(steps: int, _total: int) -> None:
+        done["steps"] = steps
+        if steps == 4:
+            raise RuntimeError("the model failed")
+
+    with pytest.raises(RuntimeError, match="the model failed") as failed:
+        flux.run(batch, on_step=on_step, requests_gone=lambda: frozenset({"r2"}))
+    assert dropped_rows(failed.value) == {1: 1}
+    done["steps"] = 0
+    with pytest.raises(RuntimeError, match="the model failed") as failed:
+        flux.run(batch, on_step=on_step)
+    assert dropped_rows(failed.value) == {}
+    # the runner is left consistent: the next batch equals a fresh run's
+    assert np.array_equal(flux.denoise(batch).images[0], BatchRunner("tiny-flux").denoise(batch).images[0])

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.slow
 SP2 = {"parallel": {"ulysses_degree": 2}, "limits": {"max_pixels": 256 * 256},
        "replica": {"torch_threads": 1, "health_check_period_s": 0.5, "health_check_timeout_s": 1.0}}
 LONG = {"prompt": "a long one", "seed": 1, "num_inference_steps": 40, "size": "256x256"}
+# one single-rank replica whose batches of 97 steps fail after step 90 (rank 0's injected fault)
+ONE_RANK_FAULT = {"replica": {"num_replicas": 1, "torch_threads": 1,
+                              "ray_actor_options": {"runtime_env": {"env_vars": {RANK_FAULT_ENV: "0:steps=97 @90"}}}}}
 
 
 def replica_ids(url) -> set[str]:
@@ -142,7 +145,7 @@ def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_st
     poll says so and it stops at the first step boundary."""
     import dataclasses
 
-    deploy({"replica": {"num_replicas": 1, "torch_threads": 1}}, fresh=True)
+    deploy(ONE_RANK_FAULT, fresh=True)
     replica = serve.get_deployment_handle("DiTReplica", "ditserve").options(stream=True)
     for report_steps in (False, True):
         batch = dataclasses.replace(batch_of(flux_params("unknown", 1, steps=400), batch_id=f"nobody-{report_steps}"),
@@ -154,3 +157,27 @@ def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_st
         assert stopped["steps"] == 400 and stopped["cancelled_at"] < 400
         steps = [e["step"] for e in events[1:-1]]
         assert steps == (list(range(1, stopped["cancelled_at"] + 1)) if report_steps else [])
+
+
+def test_a_batch_that_fails_after_a_request_left_it_still_counts_that_request(deploy):
+    """Two requests batched; one caller leaves, its rows are dropped; then the model fails
+    (step 90 of 97): the other gets its 500, and the one that left is still counted in
+    ``cancelled_running_requests`` / ``sample_steps_saved`` (the replica names it in a
+    ``dropped`` event before the error; it was lost with the error before)."""
+    url = deploy(ONE_RANK_FAULT)  # the test before's replica
+    base = router_stats(url)["counters"]
+    handle = serve.get_app_handle("ditserve")
+    blocker = handle.generate.remote({"prompt": "first", "seed": 1, "num_inference_steps": 60})
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    leaving = handle.generate.remote({"prompt": "leaves", "seed": 4, "num_inference_steps": 97})
+    staying = handle.generate.remote({"prompt": "stays", "seed": 3, "num_inference_steps": 97})
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
+    leaving.cancel()
+    with pytest.raises(Exception, match="failed"):
+        staying.result(timeout_s=600)
+    counters = counted(url, base)
+    assert counters["failed_batches"] == 1
+    assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
+    assert 0 < counters["sample_steps_saved"] < 97
