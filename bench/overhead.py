@@ -4,7 +4,7 @@ Both paths run the embedded tiny-flux with the same settings and torch thread co
 two are measured alternately in one run so machine noise hits both alike. Target (issue 2):
 HTTP p50 <= 1.10 x in-process p50 + 15 ms.
 
-    python bench/overhead.py [--iters 30] [--steps 16] [--size 64x64]
+    python bench/overhead.py [--iters 30] [--steps 16] [--size 64x64] [--warmup]
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--size", default="64x64")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", action="store_true",
+                    help="serve with acceleration.warmup (the replica runs one batch as it starts)")
     ns = ap.parse_args()
 
     torch.set_num_threads(ns.threads)
-    args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads}}
+    args = {"replica": {"ray_actor_options": {"num_cpus": ns.threads}, "torch_threads": ns.threads},
+            "acceleration": {"warmup": ns.warmup}}
     served = start_app(args, host="127.0.0.1", port=free_port("127.0.0.1"), num_cpus=4)
     url = served.url
     try:
