@@ -15,33 +15,56 @@ batches) goes through one :class:`ComputeThread`.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import contextvars
+import queue
+import threading
+from concurrent.futures import Future
 
 
 class ComputeThread:
     """One long-lived worker thread; ``call`` runs a function on it and waits, ``run`` awaits
-    it from an event loop. Calls run one after another in submission order. Calling ``call``
-    from the thread itself would deadlock: functions run here must not call back into it."""
+    it from an event loop. Calls run one after another in submission order, in the caller's
+    context (its contextvars: Serve's request id in log lines). The thread is a daemon: a
+    process that exits while it is stuck (in a collective of a broken group) is not held up
+    by it. Calling ``call`` from the thread itself would deadlock: functions run here must not
+    call back into it."""
 
     def __init__(self, name: str, torch_threads: int | None = None):
         """``torch_threads``: ``torch.set_num_threads`` applied on the thread itself (OpenMP's
         thread count is per calling thread); None keeps torch's default."""
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
         if torch_threads:
             self.call(_set_torch_threads, torch_threads)
 
+    def _serve(self) -> None:
+        while True:
+            future, context, fn, args, kwargs = self._work.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = context.run(fn, *args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _submit(self, fn, args, kwargs) -> Future:
+        future: Future = Future()
+        self._work.put((future, contextvars.copy_context(), fn, args, kwargs))
+        return future
+
     def call(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the thread; blocks until it returns, raises what it raises."""
-        return self._executor.submit(fn, *args, **kwargs).result()
+        return self._submit(fn, args, kwargs).result()
 
     async def run(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the thread, awaited. Cancelling the await does not stop a
         call already running (as with ``asyncio.to_thread``): stop it through its own checks."""
-        return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self._submit(fn, args, kwargs))
 
 
 def _set_torch_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
-

@@ -35,18 +35,30 @@ def batch_fault(batch: Batch) -> str | None:
 def rank_fault(rank: int, batch: Batch, on_step=None):
     """``on_step`` (an ``on_step(done, total)`` callback, or None), made to raise on ``rank``
     after the configured step of a matching batch (:data:`RANK_FAULT_ENV`)."""
-    spec = os.environ.get(RANK_FAULT_ENV)
-    if not spec or ":" not in spec:
+    fault = parse_rank_fault(os.environ.get(RANK_FAULT_ENV))
+    if fault is None or fault[0] != rank or fault[1] not in str(batch.signature):
         return on_step
-    target, _, text = spec.partition(":")
-    text, at, step = text.rpartition("@") if "@" in text else (text, "", "1")
-    if int(target) != rank or text not in str(batch.signature):
-        return on_step
+    step = fault[2]
 
     def fail(done: int, total: int) -> None:
         if on_step is not None:
             on_step(done, total)
-        if done == int(step):
+        if done == step:
             raise RuntimeError(f"injected fault on rank {rank} after step {done} of batch {batch.batch_id}")
 
     return fail
+
+
+def parse_rank_fault(spec: str | None) -> tuple[int, str, int] | None:
+    """``RANK:TEXT[@STEP]`` as ``(rank, text, step)`` (step 1 when not given); None when unset.
+    Raises ``ValueError`` naming :data:`RANK_FAULT_ENV` for a spec of another shape."""
+    if not spec:
+        return None
+    target, colon, text = spec.partition(":")
+    head, at, step = text.rpartition("@")
+    if at:
+        text = head
+    if not colon or not target.isdigit() or not text or (at and not (step.isdigit() and int(step) >= 1)):
+        raise ValueError(f"{RANK_FAULT_ENV}={spec!r}: expected RANK:TEXT or RANK:TEXT@STEP "
+                         "(RANK >= 0, STEP >= 1, TEXT part of a batch signature)")
+    return int(target), text, int(step) if at else 1

@@ -26,7 +26,7 @@ from deployments.compute_thread import ComputeThread
 from deployments.faults import rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
-from pipeline.errors import BatchCancelled, LoraLoadError, SharedFailure
+from pipeline.errors import BatchCancelled, LoraLoadError, SharedFailure, dropped_rows, record_dropped_rows
 from pipeline.state import StateTransitionError
 from pipeline.wire import Batch
 
@@ -234,8 +234,11 @@ class RankGroup:
             if all(t.done() and isinstance(_cause(t.exception()), kind) for t in tasks):
                 raise _cause(rank0.exception())
         rank = 0 if failed[0] is rank0 else tasks.index(failed[0])
-        raise GroupBroken(f"rank {rank} failed during batch {batch.batch_id}: {type(_cause(first)).__name__}: "
-                          f"{str(_cause(first))[:200]}")
+        broken = GroupBroken(f"rank {rank} failed during batch {batch.batch_id}: {type(_cause(first)).__name__}: "
+                             f"{str(_cause(first))[:200]}")
+        if rank0.done() and rank0.exception() is not None:  # rows rank 0 had dropped before it failed
+            record_dropped_rows(broken, dropped_rows(rank0.exception()))
+        raise broken
 
     def run_sync(self, batch: Batch):
         """``run`` for the replica's constructor (warmup), outside any event loop."""

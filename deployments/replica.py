@@ -13,7 +13,7 @@ from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
 from deployments.compute_thread import ComputeThread
-from deployments.faults import batch_fault, rank_fault, startup_fault
+from deployments.faults import RANK_FAULT_ENV, batch_fault, parse_rank_fault, rank_fault, startup_fault
 from deployments.handles import router_handle
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
@@ -89,6 +89,7 @@ class DiTReplica:
         fault = startup_fault()
         if fault:
             raise RuntimeError(fault)
+        parse_rank_fault(os.environ.get(RANK_FAULT_ENV))  # a malformed spec fails the start, not every batch
         acceleration = acceleration or {}
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start
@@ -272,10 +273,9 @@ class DiTReplica:
                 yield {"cancelled_at": exc.steps_done, "steps": exc.steps,
                        "dropped": {batch.requests[i].request_id: step for i, step in exc.dropped.items()}}
                 return
-            except GroupBroken as exc:
-                self._break(str(exc))
-                raise
             except Exception as exc:  # the batch failed: first name the rows that had left it (counted)
+                if isinstance(exc, GroupBroken):
+                    self._break(str(exc))
                 rows = dropped_rows(exc)
                 if rows:
                     yield {"dropped": {batch.requests[i].request_id: step for i, step in rows.items()}}

@@ -147,7 +147,10 @@ def record_dropped_rows(exc: BaseException, dropped: dict[int, int]) -> None:
     failed (batch index -> steps done then; their callers had left), so that their saved work is
     still counted (the Router counts it from the replica's ``dropped`` event)."""
     if dropped:
-        setattr(exc, DROPPED_ROWS_ATTR, dict(dropped))
+        try:
+            setattr(exc, DROPPED_ROWS_ATTR, dict(dropped))
+        except (AttributeError, TypeError):  # an exception type that takes no attributes
+            pass
 
 
 def dropped_rows(exc: BaseException) -> dict[int, int]:

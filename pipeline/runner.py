@@ -381,8 +381,12 @@ class BatchRunner:
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception as exc:
-            self.reset_cache()
-            record_dropped_rows(exc, dropped)
+            record_dropped_rows(exc, dropped)  # first: reset_cache may raise in its place
+            try:
+                self.reset_cache()
+            except Exception as reset_failed:
+                record_dropped_rows(reset_failed, dropped)
+                raise reset_failed from exc
             raise
 
     def _shared_conditioning(self, family, batch, plan):
@@ -469,6 +473,15 @@ class BatchRunner:
         out = self.denoise(batch, on_step, should_stop, preview if wanted else None, requests_gone)
         if self.rank != 0:
             return []
+        try:
+            return self._outputs(batch, out, video)
+        except Exception as exc:  # encoding failed: the rows dropped before are still named
+            record_dropped_rows(exc, out.dropped or {})
+            raise
+
+    def _outputs(self, batch: Batch, out: LoopOutput, video: bool) -> list[RequestOutput]:
+        """``run``'s encoding of ``out`` (rank 0): one RequestOutput per request of ``batch``."""
+        head = batch.requests[0]
         t0 = time.perf_counter()
         media = [None if samples is None else
                  [encode_mp4(v, head.fps) if video else encode_image(v, p.output_format, p.output_compression)

@@ -48,6 +48,23 @@ def test_calls_run_in_order_and_raise_what_they_raise():
     assert compute.call(lambda: "still serving") == "still serving"
 
 
+def test_calls_see_the_callers_context_and_the_thread_does_not_hold_up_exit():
+    """Serve's request id lives in a ContextVar: log lines written on the thread keep it."""
+    import contextvars
+
+    request_id = contextvars.ContextVar("request_id", default=None)
+    compute = ComputeThread("test-compute")
+    request_id.set("req-1")
+    assert compute.call(request_id.get) == "req-1"
+
+    async def in_a_task():
+        request_id.set("req-2")
+        return await compute.run(request_id.get)
+
+    assert asyncio.run(in_a_task()) == "req-2"
+    assert next(t for t in threading.enumerate() if t.name == "test-compute").daemon
+
+
 @pytest.mark.parametrize("module", ["deployments/replica.py", "deployments/rank_worker.py"])
 def test_the_replica_and_its_ranks_run_torch_only_on_their_compute_thread(module):
     """No other thread of a replica or rank actor may run model code: no ``asyncio.to_thread``
