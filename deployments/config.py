@@ -297,7 +297,8 @@ class ReplicaConfig(_Strict):
     proxy, so the proxy's refusals (``deployments.proxy.AdmissionGate``) are not delayed while
     they work through a burst's accepted requests (``bench/overload.py``: refusal p99 190-250 ms
     at 0, 65-115 ms at 10 on 2 cores); it matters only where the serving path and compute share
-    CPU cores.
+    CPU cores. Both are added to the nice Ray starts its workers at (15 by default; Linux caps
+    nice at 19), so with the defaults routing and compute end at the same level, 19.
     """
 
     num_replicas: int = Field(default=1, ge=1)
