@@ -271,14 +271,14 @@ class DiTReplica:
                 outputs = work.result()
             except BatchCancelled as exc:  # stopped at a step boundary: every caller had left
                 yield {"cancelled_at": exc.steps_done, "steps": exc.steps,
-                       "dropped": {batch.requests[i].request_id: step for i, step in exc.dropped.items()}}
+                       "dropped": _by_request_id(batch, exc.dropped)}
                 return
             except Exception as exc:  # the batch failed: first name the rows that had left it (counted)
                 if isinstance(exc, GroupBroken):
                     self._break(str(exc))
                 rows = dropped_rows(exc)
                 if rows:
-                    yield {"dropped": {batch.requests[i].request_id: step for i, step in rows.items()}}
+                    yield {"dropped": _by_request_id(batch, rows)}
                 raise
         report = BatchReport(batch_id=batch.batch_id, batch_size=batch.size, signature=str(batch.signature),
                              replica=self._replica_id, world_size=self._parallel.world_size,
@@ -286,6 +286,11 @@ class DiTReplica:
         for out in outputs:
             out.batch = report
         yield outputs
+
+
+def _by_request_id(batch: Batch, rows: dict[int, int]) -> dict[str, int]:
+    """Dropped rows (batch index -> steps done) keyed by request id, as the Router counts them."""
+    return {batch.requests[i].request_id: step for i, step in rows.items()}
 
 
 async def _settled(work: asyncio.Future) -> None:

@@ -616,10 +616,7 @@ class Router:
                     if target is not None and target.on_preview is not None and not target.future.done():
                         target.on_preview(event["preview"])
                 elif isinstance(event, dict) and "cancelled_at" in event:  # the replica heard: no caller left
-                    dropped = event.get("dropped") or {}  # rows that left before the batch stopped
-                    for p in pending:
-                        if p.params.request_id in dropped:
-                            self._count_dropped(p, dropped[p.params.request_id])
+                    self._count_dropped_rows(pending, event.get("dropped") or {})  # rows that left before it stopped
                     waiting = [p for p in pending if not p.future.done()]
                     if not waiting:
                         saved = event["steps"] - event["cancelled_at"]
@@ -634,9 +631,7 @@ class Router:
                             "replaced; retry", code="unavailable", request_id=p.params.request_id))
                     return
                 elif isinstance(event, dict) and "dropped" in event:  # the batch failed after these rows left
-                    for p in pending:
-                        if p.params.request_id in event["dropped"]:
-                            self._count_dropped(p, event["dropped"][p.params.request_id])
+                    self._count_dropped_rows(pending, event["dropped"])
                 elif isinstance(event, dict) and "started" in event:  # the replica began running it
                     started = True
                     self._unstarted.pop(batch.batch_id, None)
@@ -707,6 +702,13 @@ class Router:
             self._unstarted.pop(batch.batch_id, None)
             self._callers_changed.pop(batch.batch_id).set()
             self._release_slot()
+
+    def _count_dropped_rows(self, pending: list[_Pending], dropped: dict[str, int]) -> None:
+        """``_count_dropped`` for each request of ``pending`` named in a replica's ``dropped``
+        record (request id -> steps done when its rows left the batch)."""
+        for p in pending:
+            if p.params.request_id in dropped:
+                self._count_dropped(p, dropped[p.params.request_id])
 
     def _count_dropped(self, p: _Pending, steps_done: int) -> None:
         """Count a request whose rows left its running batch after ``steps_done`` steps (its
