@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 
 from ray import serve
 from ray.serve.metrics import Counter
@@ -30,6 +31,27 @@ EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its faili
 WANTED_POLL_S = 2.0  # the longest a running batch's long poll of its callers waits for a change
 WANTED_FIRST_POLL_S = 0.25  # a batch's first long poll waits this long (a shorter batch needs none: RPCs cost CPU)
 WANTED_RPC_GRACE_S = 5.0  # beyond that, the time a Router's answer may take before it is asked again
+# A batch is not polled once less than this much of its denoising is left (estimated): a poll
+# cost the batch 5-40 ms of denoising on 2 shared cores (bench/overhead.py --steps 32, alternated),
+# more than dropping rows for the rest of it saves unless callers often leave in its last 0.5 s.
+WANTED_MIN_REMAINING_S = 0.5
+
+
+def worth_polling(steps_done: int, num_steps: int, elapsed_s: float,
+                  min_remaining_s: float = WANTED_MIN_REMAINING_S) -> bool:
+    """Whether a running batch should (still) ask the Router which of its callers are left.
+
+    ``steps_done``: denoising steps it finished, of ``num_steps`` (``num_inference_steps``;
+    an edit with ``strength`` < 1 runs fewer, which only makes the estimate longer);
+    ``elapsed_s``: seconds since it started (text encoding included, which makes the estimate
+    longer too). The denoising left is estimated as the mean time per step so far times the
+    steps left; True when it is at least ``min_remaining_s`` seconds, and before the first
+    step is done (a batch whose first step takes that long is a long one)."""
+    if steps_done <= 0:
+        return True
+    if steps_done >= num_steps:
+        return False
+    return elapsed_s / steps_done * (num_steps - steps_done) >= min_remaining_s
 
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
@@ -166,17 +188,25 @@ class DiTReplica:
                 "parallel": dataclasses.asdict(self._parallel),
                 **self._runner.state_report(), **self._runner.counters()}
 
-    async def _stop_when_unwanted(self, batch: Batch, stop: threading.Event, gone: dict) -> None:
+    async def _stop_when_unwanted(self, batch: Batch, stop: threading.Event, gone: dict,
+                                  steps_done=lambda: 0, started: float | None = None) -> None:
         """While a batch runs, ask the Router which of its requests it still wants (a long poll:
         ``Router.wanted_requests`` answers as soon as a caller leaves); the ids of those it does
         not replace ``gone["ids"]`` (a frozenset the worker thread reads: their rows are dropped
         at the next step boundary); when it wants none (every caller left, or the Router
-        that sent it died and a new one does not know it), stop the batch at the next step."""
+        that sent it died and a new one does not know it), stop the batch at the next step.
+        The first poll waits ``WANTED_FIRST_POLL_S``; none is made once less than
+        ``WANTED_MIN_REMAINING_S`` of the batch is left (:func:`worth_polling`, from
+        ``steps_done()`` and the batch's ``started`` time, ``time.monotonic()``)."""
         router = router_handle(serve.get_replica_context().app_name)
         ids = {p.request_id for p in batch.requests}
         known = sorted(ids)
+        started = time.monotonic() if started is None else started
+        num_steps = batch.requests[0].num_inference_steps
         await asyncio.sleep(WANTED_FIRST_POLL_S)
         while not stop.is_set():
+            if not worth_polling(steps_done(), num_steps, time.monotonic() - started):
+                return  # too little is left for dropping rows to save what a poll costs
             try:  # a long poll: answered when a caller leaves, or after WANTED_POLL_S
                 wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id, known, WANTED_POLL_S),
                                                 WANTED_POLL_S + WANTED_RPC_GRACE_S)
@@ -243,15 +273,21 @@ class DiTReplica:
 
             gone = {"ids": frozenset()}
             requests_gone = lambda: gone["ids"]  # noqa: E731 - read from the worker thread
+            boundaries = [0]  # step boundaries passed: the loop asks should_stop once per step (rank 0)
+
+            def should_stop() -> bool:  # called from the worker thread
+                boundaries[0] += 1
+                return stop.is_set()
             progress = on_step if batch.report_steps else None  # step events cost CPU: only when shown
             progress = rank_fault(0, batch, progress)  # a fault injected on rank 0 (deployments.faults)
             steps.put_nowait({"started": batch.batch_id})  # from here on a failure is this batch's, not a refusal
+            started = time.monotonic()
             if self._ranks is None:
-                work = asyncio.ensure_future(self._compute.run(self._runner.run, batch, progress, stop.is_set,
+                work = asyncio.ensure_future(self._compute.run(self._runner.run, batch, progress, should_stop,
                                                                on_preview, requests_gone))
             else:
-                work = asyncio.ensure_future(self._ranks.run(batch, progress, stop.is_set, on_preview, requests_gone))
-            watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch, stop, gone))
+                work = asyncio.ensure_future(self._ranks.run(batch, progress, should_stop, on_preview, requests_gone))
+            watchdog = asyncio.ensure_future(self._stop_when_unwanted(batch, stop, gone, lambda: boundaries[0], started))
             work.add_done_callback(lambda _: watchdog.cancel())
             try:
                 while not work.done():

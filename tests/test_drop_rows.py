@@ -150,3 +150,20 @@ def test_a_failed_batch_names_the_rows_it_had_dropped_before(flux, monkeypatch):
     monkeypatch.undo()
     # the runner is left consistent: the next batch equals a fresh run's
     assert np.array_equal(flux.denoise(batch).images[0], BatchRunner("tiny-flux").denoise(batch).images[0])
+
+
+@pytest.mark.parametrize(("steps_done", "num_steps", "elapsed_s", "expected"), [
+    (0, 16, 0.25, True),  # no step done after the first wait: a long batch
+    (15, 16, 0.25, False),  # one step left of a quarter-second batch: a poll costs more
+    (8, 16, 0.25, False),  # 0.25 s left
+    (4, 16, 0.25, True),  # 0.75 s left
+    (2, 4, 1.0, True),  # 1 s left
+    (16, 16, 0.3, False),  # done (decoding): no rows left to drop
+    (20, 16, 0.3, False),  # an edit's strength ran fewer steps than asked: never more than asked
+])
+def test_a_running_batch_asks_for_its_callers_only_while_enough_of_it_is_left(steps_done, num_steps, elapsed_s,
+                                                                               expected):
+    from deployments.replica import WANTED_MIN_REMAINING_S, worth_polling
+
+    assert WANTED_MIN_REMAINING_S == 0.5
+    assert worth_polling(steps_done, num_steps, elapsed_s) is expected
