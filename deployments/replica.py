@@ -41,12 +41,12 @@ def worth_polling(steps_done: int, num_steps: int, elapsed_s: float,
                   min_remaining_s: float = WANTED_MIN_REMAINING_S) -> bool:
     """Whether a running batch should (still) ask the Router which of its callers are left.
 
-    ``steps_done``: denoising steps it finished, of ``num_steps`` (``num_inference_steps``;
-    an edit with ``strength`` < 1 runs fewer, which only makes the estimate longer);
-    ``elapsed_s``: seconds since it started (text encoding included, which makes the estimate
-    longer too). The denoising left is estimated as the mean time per step so far times the
-    steps left; True when it is at least ``min_remaining_s`` seconds, and before the first
-    step is done (a batch whose first step takes that long is a long one)."""
+    ``steps_done``: denoising steps it finished, of ``num_steps`` (the steps that run,
+    ``SamplingParams.effective_steps``); ``elapsed_s``: seconds since the replica took it (the
+    state transition and text encoding included, which only makes the estimate longer). The
+    denoising left is estimated as the mean time per step so far times the steps left; True
+    when it is at least ``min_remaining_s`` seconds, and before the first step is done (a
+    batch whose first step takes that long is a long one)."""
     if steps_done <= 0:
         return True
     if steps_done >= num_steps:
@@ -195,18 +195,21 @@ class DiTReplica:
         not replace ``gone["ids"]`` (a frozenset the worker thread reads: their rows are dropped
         at the next step boundary); when it wants none (every caller left, or the Router
         that sent it died and a new one does not know it), stop the batch at the next step.
-        The first poll waits ``WANTED_FIRST_POLL_S``; none is made once less than
-        ``WANTED_MIN_REMAINING_S`` of the batch is left (:func:`worth_polling`, from
-        ``steps_done()`` and the batch's ``started`` time, ``time.monotonic()``)."""
+        The first poll waits ``WANTED_FIRST_POLL_S``; no new one starts while less than
+        ``WANTED_MIN_REMAINING_S`` of the batch is estimated to be left (:func:`worth_polling`,
+        from ``steps_done()`` and the batch's ``started`` time, ``time.monotonic()``): the
+        estimate is read again every ``WANTED_FIRST_POLL_S`` (steps may slow down: previews,
+        an expert's weights moved in), which costs no call."""
         router = router_handle(serve.get_replica_context().app_name)
         ids = {p.request_id for p in batch.requests}
         known = sorted(ids)
         started = time.monotonic() if started is None else started
-        num_steps = batch.requests[0].num_inference_steps
+        num_steps = batch.requests[0].effective_steps
         await asyncio.sleep(WANTED_FIRST_POLL_S)
         while not stop.is_set():
             if not worth_polling(steps_done(), num_steps, time.monotonic() - started):
-                return  # too little is left for dropping rows to save what a poll costs
+                await asyncio.sleep(WANTED_FIRST_POLL_S)  # too little is left for a poll to pay: look again later
+                continue
             try:  # a long poll: answered when a caller leaves, or after WANTED_POLL_S
                 wanted = await asyncio.wait_for(router.wanted_requests.remote(batch.batch_id, known, WANTED_POLL_S),
                                                 WANTED_POLL_S + WANTED_RPC_GRACE_S)
