@@ -19,6 +19,8 @@ RELIES_ON = (
              "deploying a config file in-process (tests); whether Serve runs and its HTTP options"),
     Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
              "Serve's default request router, subclassed to watch the replica set with affinity off"),
+    Reliance("ray._raylet", "GcsClient",
+             "asking a cluster once whether it refuses this process's token (ray.init retries for ~20 s)"),
 )
 
 
@@ -75,3 +77,37 @@ def power_of_two_choices_router() -> type:
         raise CompatError(f"Ray Serve no longer has PowerOfTwoChoicesRequestRouter ({exc}); ditserve is tested "
                           f"with ray{TESTED}") from None
     return PowerOfTwoChoicesRequestRouter
+
+
+def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:
+    """Ray's reason (one line) when the GCS at ``address`` (``HOST:PORT``) refuses this
+    process's credentials (token authentication: a missing or wrong token), else ``None``, also
+    when it cannot tell within ``timeout_s`` seconds (``ray.init`` then reports what it finds).
+
+    ``ray.init`` connects as Ray's ``Node`` does (``ray._private.node``): a private
+    ``GcsClient`` per attempt, 20 attempts a second apart, and then says only that it failed to
+    connect; this makes one such attempt. Raises :class:`CompatError` if Ray has no
+    ``GcsClient`` any more."""
+    import threading
+
+    from ray.exceptions import AuthenticationError
+
+    try:
+        from ray._raylet import GcsClient
+    except ImportError as exc:
+        raise CompatError(f"Ray no longer has ray._raylet.GcsClient ({exc}); ditserve is tested "
+                          f"with ray{TESTED}") from None
+    refused: list[str] = []
+
+    def attempt() -> None:  # a TCP server that is not a GCS holds the client ~40 s: not waited for
+        try:
+            GcsClient(address=address)
+        except AuthenticationError as exc:
+            refused.append(str(exc.message).strip().splitlines()[0])
+        except Exception:  # noqa: BLE001 - anything else is ray.init's to report
+            pass
+
+    prober = threading.Thread(target=attempt, name="ditserve-gcs-probe", daemon=True)
+    prober.start()
+    prober.join(timeout_s)
+    return refused[0] if refused else None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from compat.ray_serve import gcs_refusal
 from deployments.proxy import install as install_proxy_middleware
 from pipeline.contract.text import shown
 from parallel.groups import free_port
@@ -79,7 +80,9 @@ CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in t
 
 def _gcs_reachable(address: str) -> None:
     """Refuse at once an address that is not ``auto`` or a reachable ``HOST:PORT`` (``ray.init``
-    retries an unreachable one for minutes). Raises :class:`CannotStart`."""
+    retries an unreachable one for minutes), or whose cluster refuses this process's token
+    (``ray.init`` retries that for ~20 s, then says only that it could not connect). Raises
+    :class:`CannotStart`."""
     if address == "auto":
         return
     host, sep, port = address.rpartition(":")
@@ -92,6 +95,14 @@ def _gcs_reachable(address: str) -> None:
     except OSError as exc:
         raise CannotStart(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
                           "`ray start --head`, or leave out --address (and $RAY_ADDRESS) to start a local one") from None
+    refused = gcs_refusal(address, timeout_s=CONNECT_TIMEOUT_S)  # ray.init would retry it for ~20 s
+    if refused:
+        hint = (f"set RAY_AUTH_MODE=token ({_TOKEN_FROM})" if not os.environ.get("RAY_AUTH_MODE")
+                else f"give this process the cluster's token ({_TOKEN_FROM})")
+        raise CannotStart(f"the Ray cluster at {address} refuses this process ({refused}); {hint}")
+
+
+_TOKEN_FROM = "Ray reads it from $RAY_AUTH_TOKEN or ~/.ray/auth_token"
 
 
 def _port_free(host: str, port: int) -> None:
@@ -136,8 +147,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
             said = _first_line(exc)
             if not os.environ.get("RAY_AUTH_MODE"):  # Ray sends no token to an explicit address unless asked
-                said += ("; if the cluster uses token authentication (Ray's default), set RAY_AUTH_MODE=token "
-                         "(the token is read from $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+                said += (f"; if the cluster uses token authentication (Ray's default), set RAY_AUTH_MODE=token "
+                         f"({_TOKEN_FROM})")
             raise CannotStart(f"could not join the Ray cluster at {address}: {said}") from None
     started_serve = joined and not serve_running()
     served = None

@@ -305,9 +305,15 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     from ray import serve
 
     deploy()
-    # the tests' cluster has token authentication: joined without RAY_AUTH_MODE, Ray retries for
-    # ~20 s, then the line says what to set (it was a traceback)
-    assert "set RAY_AUTH_MODE=token" in _serve_fails("--address", ray_cluster["gcs_address"])
+    # the tests' cluster has token authentication: joined without RAY_AUTH_MODE (or with a wrong
+    # token), the line says so and what to set, at once (it was a traceback, then one line after
+    # ray.init's ~20 s of retries)
+    said = _serve_fails("--address", ray_cluster["gcs_address"])
+    assert "refuses this process (" in said and "Authentication token is missing or incorrect" in said, said
+    assert "set RAY_AUTH_MODE=token" in said
+    said = _serve_fails("--address", ray_cluster["gcs_address"],
+                        env=_serve_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-clusters-token"))
+    assert "refuses this process (" in said and "give this process the cluster's token" in said, said
     auth = _serve_env(RAY_AUTH_MODE="token")
     said = _serve_fails("--address", ray_cluster["gcs_address"], env=auth)  # the default config: 'ditserve'
     assert "an application named 'ditserve' already runs" in said
