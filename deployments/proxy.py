@@ -49,6 +49,11 @@ from starlette.middleware import Middleware
 # full batch per replica: its Ingress's max_ongoing_requests) and where it is mounted.
 ADMISSION_HEADER = b"x-ditserve-admission"
 
+# A limit learned before the app had nothing in flight through this proxy for this long (seconds)
+# is not enforced again until an answer confirms it: a redeploy (seconds at least) may have
+# raised it, and the first burst after one must not be refused at the old app's limit.
+ADMISSION_STALE_AFTER_IDLE_S = 5.0
+
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "deployments.proxy:middlewares"
 
@@ -155,12 +160,17 @@ class AdmissionGate:
     Limits and route prefixes are learned from :data:`ADMISSION_HEADER` on the app's responses
     (the longest prefix matching a path wins); only the API routes (``<prefix>/v1/...``) are
     gated, so requests to other apps and paths pass untouched. In flight: from the request's
-    arrival here until its response has been sent or the client left."""
+    arrival here until its response has been sent or the client left. A limit is enforced only
+    while confirmed: learned from an answer since the app last had nothing in flight here for
+    :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it; until an answer of the
+    app comes back, the Ingress refuses what is over its limit)."""
 
     def __init__(self, app):
         self.app = app
         self.limits: dict[str, int] = {}     # route prefix -> admission limit
         self.in_flight: dict[str, int] = {}  # route prefix -> requests forwarded and not yet answered
+        self.confirmed: set[str] = set()     # route prefixes whose limit is enforced
+        self.idle_since: dict[str, float] = {}  # route prefix -> when its last request in flight ended
 
     def prefix_of(self, path: str) -> str | None:
         """The longest learned route prefix whose API (``<prefix>/v1/...``) ``path`` is in, or
@@ -176,7 +186,11 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         prefix = self.prefix_of(scope["path"])
-        if prefix is not None and self.in_flight.get(prefix, 0) >= self.limits[prefix]:
+        if prefix is not None and not self.in_flight.get(prefix, 0):
+            now = asyncio.get_running_loop().time()
+            if now - self.idle_since.get(prefix, now) > ADMISSION_STALE_AFTER_IDLE_S:
+                self.confirmed.discard(prefix)
+        if prefix in self.confirmed and self.in_flight.get(prefix, 0) >= self.limits[prefix]:
             body = envelope_for(429)
             await send({"type": "http.response.start", "status": 429,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
@@ -193,6 +207,9 @@ class AdmissionGate:
                         learned = parse_admission(value)
                         if learned is not None:
                             self.limits[learned[1]] = learned[0]
+                            self.confirmed.add(learned[1])
+                            if not self.in_flight.get(learned[1]):  # its first answer here: uncounted
+                                self.idle_since[learned[1]] = asyncio.get_running_loop().time()
             await send(message)
 
         try:
@@ -200,6 +217,8 @@ class AdmissionGate:
         finally:
             if prefix is not None:
                 self.in_flight[prefix] -= 1
+                if not self.in_flight[prefix]:
+                    self.idle_since[prefix] = asyncio.get_running_loop().time()
 
 
 class IdleFullCollection:

@@ -188,6 +188,40 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
     asyncio.run(run())
 
 
+def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_once_confirmed(monkeypatch):
+    """An app redeployed with a higher limit while nothing was in flight: the first burst is not
+    refused at the old limit (it was: 6 of 12 requests answered 429 by the proxy, the new app
+    holding 72); once an answer confirms the limit, the gate refuses at it again."""
+    from deployments import proxy
+
+    monkeypatch.setattr(proxy, "ADMISSION_STALE_AFTER_IDLE_S", 0.1)
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["path"] != "/v1/models":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    gate = AdmissionGate(app)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(gate), base_url="http://t") as c:
+            assert (await c.get("/v1/models")).status_code == 200  # limit 2 learned and confirmed
+            await asyncio.sleep(0.2)  # idle for longer than the limit is trusted
+            burst = [asyncio.ensure_future(c.post("/v1/images/generations")) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert gate.in_flight["/"] == 3 and not any(f.done() for f in burst)  # none refused: unconfirmed
+            assert (await c.get("/v1/models")).status_code == 200  # an answer confirms it
+            refused = await c.post("/v1/images/generations")
+            assert refused.status_code == 429  # 3 in flight >= 2
+            release.set()
+            assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 3
+
+    asyncio.run(run())
+
+
 def test_the_proxy_collects_garbage_fully_only_when_idle(monkeypatch):
     """Generation-2 collections (one stalled a burst's refusals for 111 ms) wait until the proxy
     has had nothing in flight for FULL_COLLECTION_IDLE_S; then exactly one runs, and none while
