@@ -56,6 +56,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     replica = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config,
                "graceful_shutdown_timeout_s": grace, "health_check_period_s": config.replica.health_check_period_s,
                "health_check_timeout_s": config.replica.health_check_timeout_s}
+    if config.replica.max_constructor_retry_count is not None:
+        replica["max_constructor_retry_count"] = config.replica.max_constructor_retry_count
     if config.replica.autoscaling is None:
         replica["num_replicas"] = config.replica.num_replicas
     else:  # Serve scales DiTReplica on the Router's queue depth (deployments/autoscaling.py)

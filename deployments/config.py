@@ -290,6 +290,11 @@ class ReplicaConfig(_Strict):
     10 seconds later, so the Ingress answers the requests still queued (503).
     ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health checks of a replica
     (seconds); a replica that breaks exits, and Serve replaces it at the next check.
+    ``max_constructor_retry_count``: Serve's option: failed replica starts (a checkpoint that
+    does not load, a layout the model cannot split) before Serve gives up on the deployment
+    (``DEPLOY_FAILED``; the Router then answers 503 at once); Serve also gives up after 3 per
+    replica; ``None``: Serve's default (20). 1 fails a broken deploy on its first start instead
+    of after three (each loading the weights again).
     ``cpu_nice``: the replica's and its ranks' CPU priority (Unix nice, 0..19) below the
     serving path's (proxy, Ingress, Router), so refusals, status polls and health checks are
     answered at once while a batch computes on the same cores; 0 keeps the same priority.
@@ -309,6 +314,7 @@ class ReplicaConfig(_Strict):
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
     health_check_period_s: float = Field(default=2.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
+    max_constructor_retry_count: int | None = Field(default=None, ge=1)
     cpu_nice: int = Field(default=10, ge=0, le=19)
     routing_nice: int = Field(default=10, ge=0, le=19)
 

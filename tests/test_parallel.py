@@ -206,14 +206,17 @@ def test_sp_replica_serves_and_rejects_up_front(deploy):
 
 @pytest.mark.slow
 def test_bad_topology_fails_at_startup(ray_cluster):
+    """The layout the model cannot split fails the replica's start; with
+    ``max_constructor_retry_count: 1`` Serve gives up after that one start (three by default)."""
     from deployments.app import build_app
 
+    args = {"parallel": {"ulysses_degree": 3}, "replica": {"torch_threads": 1, "max_constructor_retry_count": 1}}
     with pytest.raises(Exception) as info:
-        serve.run(build_app({"parallel": {"ulysses_degree": 3}, "replica": {"torch_threads": 1}}),
-                  name="bad-topology", route_prefix="/bad")
+        serve.run(build_app(args), name="bad-topology", route_prefix="/bad")
     assert "bad-topology failed" in str(info.value)
     status = serve.status().applications["bad-topology"].deployments["DiTReplica"]
     assert "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3" in status.message
+    assert "failed to start 1 times in a row" in status.message, status.message
     serve.delete("bad-topology")
 
 
