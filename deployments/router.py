@@ -145,6 +145,7 @@ class Router:
         self._wakeup.set()
 
     def reconfigure_batching(self, batching: dict) -> None:
+        self._batching = dict(batching)  # as /v1/stats shows it
         self._max_batch_size = int(batching["max_batch_size"])
         self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
         self._max_queued = int(batching["max_queued_requests"])
@@ -755,6 +756,7 @@ class Router:
         return {
             "router_replica": serve.get_replica_context().replica_id.unique_id,
             "max_batch_size": self._max_batch_size,
+            "batching": self._batching,  # the knobs in force (args, or the last user_config update)
             "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
             "queued": self._queued,
             "inflight_batches": self._inflight,

@@ -32,14 +32,31 @@ SLOW = {"size": "256x256", "num_inference_steps": 60}  # about 3 s on one CPU th
 # about 5 s: holds the one replica while the queue behind it fills and a flood comes (the queued
 # requests are FAST: they only have to wait, and then cost little)
 LONG = {**SLOW, "num_inference_steps": 100}
+# one replica with room for 2 queued requests: one app for the tests of overload and of
+# cancellation (each compares the Router's counters as increases)
+ONE_SMALL_QUEUE = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+                   "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}
 
 
-@pytest.fixture()
-def url(deploy):
-    return deploy(TWO_REPLICAS, fresh=True)
+def test_affinity_keeps_replicas_in_their_state(deploy):
+    url = deploy(TWO_REPLICAS, fresh=True)  # replicas that have run nothing yet: no state to change from
+    a = {"num_inference_steps": 2, "size": "64x64"}
+    b = {"num_inference_steps": 3, "size": "64x64"}
+    metas = []
+    with ThreadPoolExecutor(4) as pool:
+        for rnd in range(6):  # waves of alternating signatures
+            bodies = [{"prompt": f"p{rnd}{i}", "seed": i, **(a if i % 2 else b)} for i in range(4)]
+            metas += [r.json()["ditserve"] for r in pool.map(lambda body: post(url, body), bodies)]
+    batches = {m["batch_id"]: m for m in metas}
+    changes = sum(m["state_change"] for m in batches.values())
+    assert changes <= 2, f"{changes} state changes over {len(batches)} batches"
+    counters = stats(url)["counters"]
+    assert counters.get("routing_hit", 0) > counters.get("routing_miss", 0)
 
 
-def test_batches_are_signature_homogeneous_and_every_request_answered_once(url):
+def test_batches_are_signature_homogeneous_and_every_request_answered_once(deploy):
+    url = deploy(TWO_REPLICAS)  # the test before's app, when it ran: its counters are compared as increases
+    base = stats(url)["counters"].get("requests", 0)
     signatures = [{"num_inference_steps": 2}, {"num_inference_steps": 3}, {"num_inference_steps": 2, "size": "64x32"}]
     bodies = [{"prompt": f"shape {i}", "seed": i, **signatures[i % 3]} for i in range(24)]
     with ThreadPoolExecutor(24) as pool:
@@ -54,7 +71,7 @@ def test_batches_are_signature_homogeneous_and_every_request_answered_once(url):
     assert len(by_batch) < 24  # requests were batched
     for body, m in zip(bodies, metas, strict=True):  # each answer is its own request's
         assert m["seed"] == body["seed"]
-    assert stats(url)["counters"]["requests"] >= 24
+    assert stats(url)["counters"]["requests"] - base >= 24
 
 
 def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
@@ -93,9 +110,10 @@ def _dispatch_order(url, bodies: dict[str, dict]) -> list[str]:
     return sorted(number, key=number.get)
 
 
-def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(deploy):
+def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_cluster):
     """``priority: batch`` requests queued first still run after interactive ones (in one
-    signature's queue and across queues); with a starvation bound of 0 they keep their turn."""
+    signature's queue and across queues); with a starvation bound of 0 (a ``user_config``
+    update: the same replicas) they keep their turn."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
            "batching": {**TWO_REPLICAS["batching"], "max_batch_size": 1}}
     other = {**FAST, "num_inference_steps": 3}  # another signature
@@ -103,24 +121,17 @@ def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(deplo
               "b2": {"prompt": "b2", "seed": 2, "priority": "batch", **FAST},
               "i1": {"prompt": "i1", "seed": 3, **FAST},
               "i2": {"prompt": "i2", "seed": 4, "priority": "interactive", **other}}
-    assert _dispatch_order(deploy(one, fresh=True), bodies) == ["i1", "i2", "b1", "b2"]
-    no_bound = {**one, "batching": {**one["batching"], "max_batch_priority_wait_ms": 0}}
-    assert _dispatch_order(deploy(no_bound, fresh=True), bodies) == ["b1", "b2", "i1", "i2"]
-
-
-def test_affinity_keeps_replicas_in_their_state(url):
-    a = {"num_inference_steps": 2, "size": "64x64"}
-    b = {"num_inference_steps": 3, "size": "64x64"}
-    metas = []
-    with ThreadPoolExecutor(4) as pool:
-        for rnd in range(6):  # waves of alternating signatures
-            bodies = [{"prompt": f"p{rnd}{i}", "seed": i, **(a if i % 2 else b)} for i in range(4)]
-            metas += [r.json()["ditserve"] for r in pool.map(lambda body: post(url, body), bodies)]
-    batches = {m["batch_id"]: m for m in metas}
-    changes = sum(m["state_change"] for m in batches.values())
-    assert changes <= 2, f"{changes} state changes over {len(batches)} batches"
-    counters = stats(url)["counters"]
-    assert counters.get("routing_hit", 0) > counters.get("routing_miss", 0)
+    if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
+        serve.delete("ditserve")
+    url = ray_cluster["url"]
+    try:
+        _deploy_config(one, one["batching"])
+        assert _dispatch_order(url, bodies) == ["i1", "i2", "b1", "b2"]
+        _deploy_config(one, {**one["batching"], "max_batch_priority_wait_ms": 0})
+        wait_until(lambda: stats(url)["batching"]["max_batch_priority_wait_ms"] == 0, timeout=60)
+        assert _dispatch_order(url, bodies) == ["b1", "b2", "i1", "i2"]
+    finally:
+        serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 
 
 def test_starved_queue_is_served_within_its_bound(deploy):
@@ -147,10 +158,10 @@ def test_overflow_is_429_without_touching_replicas(deploy):
     """The app holds max_queued_requests plus a full batch per replica (2 + 4 here), queued or
     running; a few more wait at the door (Serve's proxy queue) and the rest are refused at once
     with 429 + Retry-After in OpenAI's envelope, never reaching a replica."""
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
-                  "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}, fresh=True)
+    url = deploy(ONE_SMALL_QUEUE)
     router = serve.get_deployment_handle("Router", "ditserve")  # the Ingress is full: ask the Router itself
     held = lambda: router.stats.remote().result()  # noqa: E731
+    ran_before = held()["counters"].get("requests", 0)
     with ThreadPoolExecutor(48) as pool:
         running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})
         wait_until(lambda: held()["inflight_batches"] == 1)
@@ -165,19 +176,19 @@ def test_overflow_is_429_without_touching_replicas(deploy):
         assert {r.status_code for r in flood} <= {200, 429}
         assert all(f.result().status_code == 200 for f in [running, *queued])
     served = sum(r.status_code == 200 for r in flood)
-    wait_until(lambda: held()["counters"].get("requests", 0) == 6 + served)  # the refused never ran
+    wait_until(lambda: held()["counters"].get("requests", 0) - ran_before == 6 + served)  # the refused never ran
 
 
 def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(deploy):
     """Every Ingress answer names the app's admission limit (2 queued + a batch of 4 = 6) and
     route prefix; once the proxy's AdmissionGate has seen it, requests beyond 6 in flight are
     refused in the proxy at once: none waits at Serve's door, none reaches the Router."""
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
-                  "batching": {**TWO_REPLICAS["batching"], "max_queued_requests": 2}}, fresh=True)
+    url = deploy(ONE_SMALL_QUEUE)
     first = httpx.get(f"{url}/v1/models", timeout=30)
     assert first.status_code == 200 and first.headers["x-ditserve-admission"] == "6; prefix=/"
     router = serve.get_deployment_handle("Router", "ditserve")
     held = lambda: router.stats.remote().result()  # noqa: E731
+    before = held()["counters"]
     with ThreadPoolExecutor(24) as pool:
         running = pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})
         wait_until(lambda: held()["inflight_batches"] == 1)
@@ -191,11 +202,14 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
         assert all(f.result().status_code == 200 for f in [running, *queued])
     assert post(url, {"prompt": "after", "seed": 9, **FAST}).status_code == 200  # room again
     counters = held()["counters"]
-    assert counters.get("requests", 0) == 7 and not counters.get("rejected_overloaded")
+    assert counters.get("requests", 0) - before.get("requests", 0) == 7
+    assert counters.get("rejected_overloaded", 0) == before.get("rejected_overloaded", 0)
 
 
 def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}, fresh=True)
+    url = deploy(ONE_SMALL_QUEUE)  # at most one request queued at a time here
+    before = stats(url)["counters"]
+    increase = lambda name: stats(url)["counters"].get(name, 0) - before.get(name, 0)  # noqa: E731
     handle = serve.get_app_handle("ditserve")
     busy = handle.generate.remote({"prompt": "busy", "seed": 1, **SLOW})
     wait_until(lambda: stats(url)["inflight_batches"] == 1)
@@ -205,7 +219,7 @@ def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     wait_until(lambda: stats(url)["queued"] == 0)
     with pytest.raises(httpx.ReadTimeout):  # an HTTP client that hangs up leaves the queue too
         post(url, {"prompt": "gone", "seed": 4, **FAST}, timeout=1.0)
-    wait_until(lambda: stats(url)["counters"].get("cancelled", 0) == 2)
+    wait_until(lambda: increase("cancelled") == 2)
     assert stats(url)["queued"] == 0
     with pytest.raises(RequestTimeoutError) as info:
         handle.generate.remote({"prompt": "too late", "seed": 3, "timeout_s": 0.3, **FAST}).result()
@@ -213,9 +227,8 @@ def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     r = post(url, {"prompt": "too late", "seed": 3, "timeout_s": 0.3, **FAST})
     assert r.status_code == 504 and r.json()["error"]["param"] == "timeout_s"
     busy.result()
-    counters = stats(url)["counters"]
-    assert counters["cancelled"] == 2 and counters["rejected_timeout"] == 2
-    assert counters["requests"] == 1  # only the busy request ever ran
+    assert increase("cancelled") == 2 and increase("rejected_timeout") == 2
+    assert increase("requests") == 1  # only the busy request ever ran
 
 
 def test_failing_signature_answers_each_request_while_others_flow(deploy):
@@ -328,6 +341,7 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         _deploy_config(one, small["batching"])
         before = stats(url)
         assert before["max_batch_size"] == 1
+        assert {k: before["batching"][k] for k in small["batching"]} == small["batching"]  # the file's knobs
         with ThreadPoolExecutor(6) as pool:
             sizes = [r.json()["ditserve"]["batch_size"]
                      for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
@@ -355,7 +369,8 @@ def test_a_redeploy_whose_replicas_fail_to_start_answers_503_at_once(ray_cluster
     while the Router and Ingress stay. The request queued meanwhile and every new one are
     answered 503 within seconds (they waited for their client's timeout before, for ever
     without one); a fixed redeploy serves again."""
-    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
+                                       "max_constructor_retry_count": 1}}  # Serve gives up on the first failure
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
         serve.delete("ditserve")
     url = ray_cluster["url"]
