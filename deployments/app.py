@@ -14,7 +14,8 @@ from deployments.router import Router
 
 SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
 # Backpressure in front of the Router. The Ingress takes as many requests at once as the app
-# admits (admission_limit); at most INGRESS_PROXY_QUEUE more wait at the door, in Serve's proxy,
+# admits (admission_limit, the Router refusing beyond it) and INGRESS_SPARE_SLOTS more; at most
+# INGRESS_PROXY_QUEUE more wait at the door, in Serve's proxy,
 # for a slot; past that Serve's proxy refuses (429 + Retry-After, made an envelope by
 # deployments.proxy). Once the proxy's AdmissionGate has seen the app's limit in an answer, it
 # refuses at admission_limit itself, before Serve asks the Ingress replica (the cheaper refusal);
@@ -23,6 +24,12 @@ SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ing
 # (Not a tiny queue: Serve counts requests that arrive together and are still being assigned as
 # queued, so it would refuse bursts the Ingress has room for.)
 INGRESS_PROXY_QUEUE = 32
+# Ingress slots beyond admission_limit. Requests over the limit that the gate lets through (its
+# limit unconfirmed after an idle spell: a redeploy may have changed it) reach the Router, which
+# refuses them at once with the limit in its answer's header, re-arming the gate; with no spare
+# slot they waited at the door for a generation to end, and the gate for that answer. Polls and
+# stats also find room under overload.
+INGRESS_SPARE_SLOTS = 4
 
 
 def admission_limit(config: AppConfig) -> int:
@@ -86,7 +93,7 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
             "Ingress": {"ray_actor_options": light,
                         "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
-                        "max_ongoing_requests": admission_limit(config),
+                        "max_ongoing_requests": admission_limit(config) + INGRESS_SPARE_SLOTS,
                         "max_queued_requests": INGRESS_PROXY_QUEUE,
                         "backpressure_config": {"status_code": 429, "retry_after_s": 1}}}
 

@@ -162,8 +162,10 @@ class AdmissionGate:
     gated, so requests to other apps and paths pass untouched. In flight: from the request's
     arrival here until its response has been sent or the client left. A limit is enforced only
     while confirmed: learned from an answer since the app last had nothing in flight here for
-    :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it; until an answer of the
-    app comes back, the Ingress refuses what is over its limit)."""
+    :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it). Until an answer
+    confirms it again, requests pass to Serve: the Ingress takes a few more than the limit
+    (``deployments.app.INGRESS_SPARE_SLOTS``), so the first over it reaches the Router, whose
+    refusal (429, in the Ingress's time) names the limit and re-arms the gate."""
 
     def __init__(self, app):
         self.app = app
@@ -171,6 +173,18 @@ class AdmissionGate:
         self.in_flight: dict[str, int] = {}  # route prefix -> requests forwarded and not yet answered
         self.confirmed: set[str] = set()     # route prefixes whose limit is enforced
         self.idle_since: dict[str, float] = {}  # route prefix -> when its last request in flight ended
+
+    def learn_from(self, message) -> None:
+        """Learn a limit and prefix from a response start's :data:`ADMISSION_HEADER`."""
+        for name, value in message.get("headers", ()):
+            if name.lower() == ADMISSION_HEADER:
+                learned = parse_admission(value)
+                if learned is not None:
+                    limit, prefix = learned
+                    self.limits[prefix] = limit
+                    self.confirmed.add(prefix)
+                    if not self.in_flight.get(prefix):  # its first answer here: uncounted
+                        self.idle_since[prefix] = asyncio.get_running_loop().time()
 
     def prefix_of(self, path: str) -> str | None:
         """The longest learned route prefix whose API (``<prefix>/v1/...``) ``path`` is in, or
@@ -202,14 +216,7 @@ class AdmissionGate:
 
         async def learn(message):
             if message["type"] == "http.response.start":
-                for name, value in message.get("headers", ()):
-                    if name.lower() == ADMISSION_HEADER:
-                        learned = parse_admission(value)
-                        if learned is not None:
-                            self.limits[learned[1]] = learned[0]
-                            self.confirmed.add(learned[1])
-                            if not self.in_flight.get(learned[1]):  # its first answer here: uncounted
-                                self.idle_since[learned[1]] = asyncio.get_running_loop().time()
+                self.learn_from(message)
             await send(message)
 
         try:

@@ -147,6 +147,19 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
     assert ours.json() == {"error": {"message": "ours"}}
 
 
+def _app_of_limit_2_holding_its_api_until(release: asyncio.Event):
+    """An ASGI app whose answers name the admission limit 2 at ``/``, holding its ``/v1``
+    requests (but ``/v1/models``) until ``release`` is set."""
+    async def app(scope, receive, send):
+        if scope["path"].startswith("/v1/") and scope["path"] != "/v1/models":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    return app
+
+
 def test_the_admission_gate_refuses_at_the_learned_limit():
     """The gate learns an app's limit and prefix from its answers' header, counts the API
     requests it forwards, answers 429 (envelope, Retry-After) at once at the limit, lets them
@@ -155,15 +168,7 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
     assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1")
     assert parse_admission(b"eight; prefix=/") is None and parse_admission(b"8") is None
     release = asyncio.Event()
-
-    async def app(scope, receive, send):  # an app that holds its /v1 requests until released
-        if scope["path"].startswith("/v1/") and scope["path"] != "/v1/models":
-            await release.wait()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    gate = AdmissionGate(app)
+    gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(gate)),
@@ -196,15 +201,7 @@ def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_o
 
     monkeypatch.setattr(proxy, "ADMISSION_STALE_AFTER_IDLE_S", 0.1)
     release = asyncio.Event()
-
-    async def app(scope, receive, send):
-        if scope["path"] != "/v1/models":
-            await release.wait()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    gate = AdmissionGate(app)
+    gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(gate), base_url="http://t") as c:
@@ -213,7 +210,7 @@ def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_o
             burst = [asyncio.ensure_future(c.post("/v1/images/generations")) for _ in range(3)]
             await asyncio.sleep(0.05)
             assert gate.in_flight["/"] == 3 and not any(f.done() for f in burst)  # none refused: unconfirmed
-            assert (await c.get("/v1/models")).status_code == 200  # an answer confirms it
+            assert (await c.get("/v1/models")).status_code == 200  # an answer (the Router's 429 live) confirms it
             refused = await c.post("/v1/images/generations")
             assert refused.status_code == 429  # 3 in flight >= 2
             release.set()
