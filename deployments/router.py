@@ -760,6 +760,7 @@ class Router:
             "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
             "queued": self._queued,
             "inflight_batches": self._inflight,
+            "unstarted_batches": len(self._unstarted),  # dispatched, not yet begun by their replica
             "replicas": chooser.replica_stats() if chooser is not None else {},
             "counters": dict(self._counters),
         }

@@ -250,6 +250,12 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
     assert stats(url)["counters"]["failed_batches"] >= 1
 
 
+def running(url: str, batches: int) -> bool:
+    """Whether ``batches`` batches are in flight and every one has begun on its replica."""
+    now = stats(url)
+    return now["inflight_batches"] == batches and now["unstarted_batches"] == 0
+
+
 def _outcomes_of_a_delete(responses) -> list[str]:
     """Delete the app and wait for each response: ``"image"``, or ``"503"`` (the Router's
     answer for work no replica ran: its app is being deleted). Anything else fails."""
@@ -275,21 +281,21 @@ def _outcomes_of_a_delete(responses) -> list[str]:
 def test_shutdown_answers_every_queued_request(deploy):
     """Each request accepted before the app is deleted gets exactly one answer: the running
     batch's image, and for the queued ones a 503 in OpenAI's envelope, from the Router once it
-    sees its app deleting (not when its graceful shutdown times out, 35 s later). The running
+    sees its app deleting (not when its graceful shutdown times out, 95 s later). The running
     batch outlasts the callers' lease (5 s, which nobody can renew with a Router that Serve has
     stopped routing to): it still finishes (CI's slower machine once turned it into a 503).
     The queued requests wait for the busy replica that holds their state while the other one
     is free: when the delete empties the replica set, the Router must not send them off blind
     (such a batch waited in the handle for a replica that never came, until the Ingress
     answered "router unavailable")."""
-    slow = {**SLOW, "num_inference_steps": 180}  # ~9 s
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 30},
+    slow = {**SLOW, "num_inference_steps": 180}  # ~9 s here; a grace of 30 s killed it on a slowed CI machine
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 90},
                   "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 60_000,
                                "max_affinity_wait_ms": 60_000},
                   "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
     busy = handle.generate.remote({"prompt": "busy", "seed": 0, **slow})
-    wait_until(lambda: stats(url)["inflight_batches"] == 1)
+    wait_until(lambda: running(url, 1))  # begun on its replica (a batch still on its way there dies with it)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **slow}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
     outcomes = _outcomes_of_a_delete([busy, *responses])
@@ -302,14 +308,14 @@ def test_shutdown_without_affinity_answers_every_request_once(deploy):
     too: a batch that ends after the delete leaves the queued work held and answered 503, or
     (ending before the delete reached the handle) run; never left waiting in the handle for
     a replica that is not coming."""
-    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 30},
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 90},
                   "batching": {**TWO_REPLICAS["batching"], "affinity": False},
                   "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
     long = handle.generate.remote({"prompt": "long", "seed": 0, **SLOW, "num_inference_steps": 180})  # ~9 s
-    wait_until(lambda: stats(url)["inflight_batches"] == 1)
+    wait_until(lambda: running(url, 1))
     short = handle.generate.remote({"prompt": "short", "seed": 1, **SLOW, "num_inference_steps": 20})  # ~1 s
-    wait_until(lambda: stats(url)["inflight_batches"] == 2)
+    wait_until(lambda: running(url, 2))
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **FAST}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
     outcomes = _outcomes_of_a_delete([long, short, *responses])

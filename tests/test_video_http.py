@@ -202,7 +202,7 @@ def test_job_store_evicts_by_age_and_count():
 
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
     job = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 17, "num_inference_steps": 100,
-                                               "timeout_s": 1.0}, timeout=30).json()
+                                               "timeout_s": 3.0}, timeout=30).json()
     final, _ = poll(url, job["id"])
     assert final["status"] == "failed" and final["error"]["code"] == "timeout"
     time.sleep(3)  # the batch may still be running: its progress must not revive the job
