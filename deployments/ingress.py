@@ -299,7 +299,11 @@ class Ingress:
                                            *adapters]}
 
     async def stats(self) -> dict:
-        return {"router": await self._router.stats.remote()}
+        """``GET /v1/stats``: ``router`` (``Router.stats``: queues, batches in flight, replicas,
+        counters) and ``ingress``, the answering Ingress replica's ``waiting``: requests it has
+        handed to the Router and not yet answered (each Ingress replica counts its own)."""
+        return {"router": await self._router.stats.remote(),
+                "ingress": {"replica": self._caller, "waiting": self._waiting}}
 
     # -- HTTP routes --------------------------------------------------------------------
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -194,6 +196,8 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
         wait_until(lambda: held()["inflight_batches"] == 1)
         queued = [pool.submit(post, url, {"prompt": f"q{i}", "seed": i, **FAST}) for i in range(5)]
         wait_until(lambda: held()["queued"] == 5)
+        ingress = serve.get_app_handle("ditserve").stats.remote().result()["ingress"]
+        assert ingress["waiting"] == 6  # handed to the Router, not yet answered (GET /v1/stats shows it)
         flood = list(pool.map(lambda i: post(url, {"prompt": f"f{i}", "seed": 100 + i, **FAST}, 60), range(12)))
         assert [r.status_code for r in flood] == [429] * 12  # at the limit: nobody waits at the door
         for r in flood:
@@ -229,6 +233,34 @@ def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     busy.result()
     assert increase("cancelled") == 2 and increase("rejected_timeout") == 2
     assert increase("requests") == 1  # only the busy request ever ran
+
+
+def test_clients_that_stop_reading_hold_no_room(deploy):
+    """Clients that send a request and never read its answer (~1 MB of JSON each: 4 images of
+    256x256) nor hang up cost the app nothing once their requests ran: more of them than the
+    app's admission limit (6), and then the limit's worth of requests at once is served, none
+    refused; the Ingress waits for none of them (``/v1/stats`` ``ingress.waiting``)."""
+    url = deploy(ONE_SMALL_QUEUE)
+    before = stats(url)["counters"].get("requests", 0)
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "never read", "size": "256x256", "n": 4, "num_inference_steps": 2}).encode()
+    silent = []
+    try:
+        for i in range(8):
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the rest waits here
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: ditserve\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            silent.append(client)
+            wait_until(lambda i=i: stats(url)["counters"].get("requests", 0) - before == i + 1)
+        assert httpx.get(f"{url}/v1/stats", timeout=30).json()["ingress"]["waiting"] == 0
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(lambda i: post(url, {"prompt": f"r{i}", "seed": i, **FAST}).status_code, range(6)))
+        assert codes == [200] * 6
+    finally:
+        for client in silent:
+            client.close()
 
 
 def test_failing_signature_answers_each_request_while_others_flow(deploy):
