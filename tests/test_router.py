@@ -236,17 +236,20 @@ def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
 
 
 def test_clients_that_stop_reading_hold_no_room(deploy):
-    """Clients that send a request and never read its answer (~1 MB of JSON each: 4 images of
-    256x256) nor hang up cost the app nothing once their requests ran: more of them than the
-    app's admission limit (6), and then the limit's worth of requests at once is served, none
-    refused; the Ingress waits for none of them (``/v1/stats`` ``ingress.waiting``)."""
+    """Clients that send a request and never read its answer (~1 MB of JSON: 4 images of
+    256x256; or a stream of 2 previews and the image, ~0.8 MB) nor hang up cost the app nothing
+    once their requests ran: more of them than the app's admission limit (6), and then the
+    limit's worth of requests at once is served, none refused; the Ingress waits for none of
+    them (``/v1/stats`` ``ingress.waiting``)."""
     url = deploy(ONE_SMALL_QUEUE)
     before = stats(url)["counters"].get("requests", 0)
     port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"prompt": "never read", "size": "256x256", "n": 4, "num_inference_steps": 2}).encode()
+    image = {"prompt": "never read", "size": "256x256", "num_inference_steps": 3}
+    bodies = [json.dumps({**image, "n": 4}).encode(), json.dumps({**image, "stream": True, "partial_images": 2}).encode()]
     silent = []
     try:
         for i in range(8):
+            body = bodies[i % 2]
             client = socket.socket()
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the rest waits here
             client.connect(("127.0.0.1", port))
