@@ -90,20 +90,19 @@ def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:
     ``GcsClient`` any more."""
     import threading
 
-    from ray.exceptions import AuthenticationError
-
     try:
         from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
     except ImportError as exc:
-        raise CompatError(f"Ray no longer has ray._raylet.GcsClient ({exc}); ditserve is tested "
-                          f"with ray{TESTED}") from None
+        raise CompatError(f"Ray no longer has ray._raylet.GcsClient or ray.exceptions.AuthenticationError ({exc}); "
+                          f"ditserve is tested with ray{TESTED}") from None
     refused: list[str] = []
 
     def attempt() -> None:  # a TCP server that is not a GCS holds the client ~40 s: not waited for
         try:
             GcsClient(address=address)
         except AuthenticationError as exc:
-            refused.append(str(exc.message).strip().splitlines()[0])
+            refused.append((str(exc.message).strip().splitlines() or [type(exc).__name__])[0])
         except Exception:  # noqa: BLE001 - anything else is ray.init's to report
             pass
 

@@ -27,8 +27,9 @@ INGRESS_PROXY_QUEUE = 32
 # Ingress slots beyond admission_limit. Requests over the limit that the gate lets through (its
 # limit unconfirmed after an idle spell: a redeploy may have changed it) reach the Router, which
 # refuses them at once with the limit in its answer's header, re-arming the gate; with no spare
-# slot they waited at the door for a generation to end, and the gate for that answer. Polls and
-# stats also find room under overload.
+# slot they waited at the door for a generation to end, and the gate for that answer. While the
+# gate's limit is unconfirmed, polls and stats also find room here under overload (once it is
+# confirmed, the gate counts and refuses them like any API request).
 INGRESS_SPARE_SLOTS = 4
 
 

@@ -78,6 +78,12 @@ def _first_line(exc: BaseException) -> str:
 CONNECT_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in this long is refused
 
 
+def _sends_token() -> bool:
+    """Whether Ray sends this process's token to a cluster: ``RAY_AUTH_MODE=token`` (unset, or
+    ``disabled``, it sends none)."""
+    return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
+
+
 def _gcs_reachable(address: str) -> None:
     """Refuse at once an address that is not ``auto`` or a reachable ``HOST:PORT`` (``ray.init``
     retries an unreachable one for minutes), or whose cluster refuses this process's token
@@ -97,7 +103,7 @@ def _gcs_reachable(address: str) -> None:
                           "`ray start --head`, or leave out --address (and $RAY_ADDRESS) to start a local one") from None
     refused = gcs_refusal(address, timeout_s=CONNECT_TIMEOUT_S)  # ray.init would retry it for ~20 s
     if refused:
-        hint = (f"set RAY_AUTH_MODE=token ({_TOKEN_FROM})" if not os.environ.get("RAY_AUTH_MODE")
+        hint = (f"set RAY_AUTH_MODE=token ({_TOKEN_FROM})" if not _sends_token()
                 else f"give this process the cluster's token ({_TOKEN_FROM})")
         raise CannotStart(f"the Ray cluster at {address} refuses this process ({refused}); {hint}")
 
@@ -146,7 +152,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
             ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
             said = _first_line(exc)
-            if not os.environ.get("RAY_AUTH_MODE"):  # Ray sends no token to an explicit address unless asked
+            if not _sends_token():  # Ray sends no token to an explicit address unless asked
                 said += (f"; if the cluster uses token authentication (Ray's default), set RAY_AUTH_MODE=token "
                          f"({_TOKEN_FROM})")
             raise CannotStart(f"could not join the Ray cluster at {address}: {said}") from None

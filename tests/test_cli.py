@@ -311,6 +311,8 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     said = _serve_fails("--address", ray_cluster["gcs_address"])
     assert "refuses this process (" in said and "Authentication token is missing or incorrect" in said, said
     assert "set RAY_AUTH_MODE=token" in said
+    said = _serve_fails("--address", ray_cluster["gcs_address"], env=_serve_env(RAY_AUTH_MODE="disabled"))
+    assert "refuses this process (" in said and "set RAY_AUTH_MODE=token" in said, said  # no token is sent
     said = _serve_fails("--address", ray_cluster["gcs_address"],
                         env=_serve_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-clusters-token"))
     assert "refuses this process (" in said and "give this process the cluster's token" in said, said
