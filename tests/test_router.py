@@ -245,7 +245,8 @@ def test_clients_that_stop_reading_hold_no_room(deploy):
     before = stats(url)["counters"].get("requests", 0)
     port = int(url.rsplit(":", 1)[1])
     image = {"prompt": "never read", "size": "256x256", "num_inference_steps": 3}
-    bodies = [json.dumps({**image, "n": 4}).encode(), json.dumps({**image, "stream": True, "partial_images": 2}).encode()]
+    bodies = [json.dumps({**image, "n": 4}).encode(),
+              json.dumps({**image, "stream": True, "partial_images": 2}).encode()]
     silent = []
     try:
         for i in range(8):
