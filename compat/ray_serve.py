@@ -19,6 +19,8 @@ RELIES_ON = (
              "deploying a config file in-process (tests); whether Serve runs and its HTTP options"),
     Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
              "Serve's default request router, subclassed to watch the replica set with affinity off"),
+    Reliance("ray.serve.context", "ReplicaContext",
+             "a replica's live deployment options (its private _deployment_config: max_ongoing_requests)"),
     Reliance("ray._raylet", "GcsClient",
              "asking a cluster once whether it refuses this process's token (ray.init retries for ~20 s)"),
 )
@@ -77,6 +79,21 @@ def power_of_two_choices_router() -> type:
         raise CompatError(f"Ray Serve no longer has PowerOfTwoChoicesRequestRouter ({exc}); ditserve is tested "
                           f"with ray{TESTED}") from None
     return PowerOfTwoChoicesRequestRouter
+
+
+def ingress_slots() -> tuple[int, int]:
+    """``(max_ongoing_requests, replicas)`` of the calling replica's deployment as Serve runs it
+    now (a config file's ``deployments`` section changes them without restarting the replica;
+    replicas: ``num_replicas``, or autoscaling's ``max_replicas``). Only inside a replica."""
+    from ray import serve
+
+    try:
+        config = serve.get_replica_context()._deployment_config
+        autoscaling = config.autoscaling_config
+        return config.max_ongoing_requests, autoscaling.max_replicas if autoscaling else config.num_replicas
+    except AttributeError as exc:
+        raise CompatError(f"Ray Serve's ReplicaContext no longer has _deployment_config ({exc}); ditserve is "
+                          f"tested with ray{TESTED}") from None
 
 
 def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:

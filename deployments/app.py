@@ -7,7 +7,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
 from deployments.config import AppConfig, with_env_overrides
-from deployments.ingress import Ingress
+from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
 from deployments.router import Router
@@ -20,17 +20,12 @@ SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ing
 # deployments.proxy). Once the proxy's AdmissionGate has seen the app's limit in an answer, it
 # refuses at admission_limit itself, before Serve asks the Ingress replica (the cheaper refusal);
 # the door still applies until then and for the app's paths the gate leaves alone (/health, the
-# page). Under overload, polls and stats wait or are refused the same way.
+# page). Under overload, polls and stats wait or are refused the same way. A live user_config
+# change of the Router's limit reaches the gate through the Ingress (Ingress._follow_admission_limit),
+# up to these slots; raising it beyond them needs the Ingress's max_ongoing_requests raised too.
 # (Not a tiny queue: Serve counts requests that arrive together and are still being assigned as
 # queued, so it would refuse bursts the Ingress has room for.)
 INGRESS_PROXY_QUEUE = 32
-# Ingress slots beyond admission_limit. Requests over the limit that the gate lets through (its
-# limit unconfirmed after an idle spell: a redeploy may have changed it) reach the Router, which
-# refuses them at once with the limit in its answer's header, re-arming the gate; with no spare
-# slot they waited at the door for a generation to end, and the gate for that answer. While the
-# gate's limit is unconfirmed, polls and stats also find room here under overload (once it is
-# confirmed, the gate counts and refuses them like any API request).
-INGRESS_SPARE_SLOTS = 4
 
 
 def admission_limit(config: AppConfig) -> int:

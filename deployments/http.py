@@ -274,22 +274,24 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
 
 
 class AdmissionHeader:
-    """ASGI middleware: every response names the app's admission limit and route prefix
-    (``deployments.proxy.admission_header``, from ``app.state.admission_limit``), so the proxy's
-    :class:`deployments.proxy.AdmissionGate` refuses at that limit without asking this process."""
+    """ASGI middleware: every response names the app's admission limit, route prefix and this
+    replica's start (``deployments.proxy.admission_header``, from ``app.state.admission_limit``
+    and ``app.state.admission_epoch``), so the proxy's :class:`deployments.proxy.AdmissionGate`
+    refuses at that limit without asking this process."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        limit = getattr(scope.get("app") and scope["app"].state, "admission_limit", None)
-        if scope["type"] != "http" or limit is None:
+        state = scope.get("app") and scope["app"].state
+        if scope["type"] != "http" or getattr(state, "admission_limit", None) is None:
             await self.app(scope, receive, send)
             return
-        header = admission_header(limit, scope.get("root_path", ""))
 
         async def with_header(message):
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start":  # the limit as it is now (the lease updates it)
+                header = admission_header(state.admission_limit, scope.get("root_path", ""),
+                                          getattr(state, "admission_epoch", 0))
                 message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 

@@ -10,6 +10,7 @@ import base64
 import contextvars
 import dataclasses
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
+from compat.ray_serve import ingress_slots
 from deployments.config import lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
@@ -32,6 +34,12 @@ from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, res
 from pipeline.wire import GenerationMetadata
 
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
+# Ingress slots beyond the app's admission limit (deployments.app sizes max_ongoing_requests with
+# them). Requests over the limit that the proxy's gate lets through (its limit unconfirmed after
+# an idle spell: a redeploy may have changed it) reach the Router, which refuses them at once with
+# the limit in its answer's header, re-arming the gate; with no spare slot they waited at Serve's
+# door for a generation to end, and the gate for that answer.
+INGRESS_SPARE_SLOTS = 4
 # OpenAI's video content variants served -> media type (no spritesheet)
 VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
@@ -73,6 +81,8 @@ class Ingress:
         api.state.api_keys = tuple(k.encode() for k in (*keys, *batch_keys))
         api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
         api.state.admission_limit = config.get("admission_limit")  # for the proxy's AdmissionGate
+        api.state.admission_epoch = time.time_ns()  # this replica's start: the gate trusts the newest
+        self._capped_at: int | None = None  # the Router limit last warned about (over this Ingress's slots)
         self._caller = serve.get_replica_context().replica_id.unique_id
         self._lease: asyncio.Task | None = None
         self._waiting = 0  # requests this replica has handed to the Router and not yet answered
@@ -80,13 +90,33 @@ class Ingress:
 
     async def _keep_lease(self) -> None:
         """Tell the Router every second that this replica lives, so it keeps its requests; when
-        this process dies, the Router drops (or stops) the work it was waiting for."""
+        this process dies, the Router drops (or stops) the work it was waiting for. Its answer,
+        the Router's live admission limit, is what this replica's answers name from then on."""
         while True:
             try:
-                await self._router.renew_lease.remote(self._caller)
+                self._follow_admission_limit(await self._router.renew_lease.remote(self._caller))
             except Exception:  # noqa: BLE001 - the Router is restarting: renew with the next one
                 pass
             await asyncio.sleep(LEASE_RENEW_S)
+
+    def _follow_admission_limit(self, router_limit: int) -> None:
+        """Name ``router_limit`` (requests; the Router's, after a live ``user_config`` change or
+        autoscaling) in this replica's answers for the proxy's gate, at most the requests this
+        deployment's replicas take (Serve's ``max_ongoing_requests`` less
+        :data:`INGRESS_SPARE_SLOTS`, per replica): beyond them requests wait at Serve's door,
+        and a warning names the ``max_ongoing_requests`` that would take them."""
+        if api.state.admission_limit is None:  # built without a limit: no header to keep
+            return
+        slots, replicas = ingress_slots()
+        taken = (slots - INGRESS_SPARE_SLOTS) * replicas
+        if router_limit > taken and self._capped_at != router_limit:
+            self._capped_at = router_limit
+            logging.getLogger("ray.serve").warning(
+                "the Router admits %d requests but the Ingress takes %d (max_ongoing_requests %d on %d replicas); "
+                "requests beyond %d wait at Serve's door. Set the Ingress's max_ongoing_requests to %d in the "
+                "config file's deployments section.", router_limit, taken, slots, replicas, taken,
+                -(-router_limit // replicas) + INGRESS_SPARE_SLOTS)
+        api.state.admission_limit = max(1, min(router_limit, taken))
 
     def _started(self) -> None:
         """A request arrived: keep the Router's lease and this process's memory trimming going.
@@ -301,9 +331,11 @@ class Ingress:
     async def stats(self) -> dict:
         """``GET /v1/stats``: ``router`` (``Router.stats``: queues, batches in flight, replicas,
         counters) and ``ingress``, the answering Ingress replica's ``waiting``: requests it has
-        handed to the Router and not yet answered (each Ingress replica counts its own)."""
+        handed to the Router and not yet answered (each Ingress replica counts its own), and the
+        ``admission_limit`` its answers name for the proxy's gate (requests; None: none named)."""
         return {"router": await self._router.stats.remote(),
-                "ingress": {"replica": self._caller, "waiting": self._waiting}}
+                "ingress": {"replica": self._caller, "waiting": self._waiting,
+                            "admission_limit": api.state.admission_limit}}
 
     # -- HTTP routes --------------------------------------------------------------------
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))

@@ -45,8 +45,10 @@ import os
 
 from starlette.middleware import Middleware
 
-# "<limit>; prefix=<route prefix>": requests an app holds at once (max_queued_requests plus a
-# full batch per replica: its Ingress's max_ongoing_requests) and where it is mounted.
+# "<limit>; prefix=<route prefix>; epoch=<ns>": requests an app holds at once (the Router's live
+# limit: max_queued_requests plus a full batch per replica, at most what its Ingress takes), where
+# it is mounted, and when the answering Ingress replica started (ns since the Unix epoch): a
+# redeploy's new Ingress names a later epoch, and the gate ignores limits named by older ones.
 ADMISSION_HEADER = b"x-ditserve-admission"
 
 # A limit learned before the app had nothing in flight through this proxy for this long (seconds)
@@ -139,18 +141,21 @@ class OpenAIErrorEnvelope:
             await send({"type": "http.response.body", "body": body})
 
 
-def admission_header(limit: int, route_prefix: str) -> tuple[bytes, bytes]:
-    """The header an Ingress sends with every response (:class:`AdmissionGate` reads it)."""
-    return ADMISSION_HEADER, f"{limit}; prefix={route_prefix or '/'}".encode()
+def admission_header(limit: int, route_prefix: str, epoch: int) -> tuple[bytes, bytes]:
+    """The header an Ingress sends with every response (:class:`AdmissionGate` reads it):
+    ``limit`` requests, the app's ``route_prefix``, ``epoch`` the Ingress replica's start (ns)."""
+    return ADMISSION_HEADER, f"{limit}; prefix={route_prefix or '/'}; epoch={epoch}".encode()
 
 
-def parse_admission(value: bytes) -> tuple[int, str] | None:
-    """``(limit, route prefix)`` of an :data:`ADMISSION_HEADER` value, or None if malformed."""
-    limit, _, rest = value.decode("latin-1").partition(";")
-    key, _, prefix = rest.strip().partition("=")
-    if key != "prefix" or not prefix.startswith("/") or not limit.strip().isdigit():
+def parse_admission(value: bytes) -> tuple[int, str, int] | None:
+    """``(limit, route prefix, epoch)`` of an :data:`ADMISSION_HEADER` value (epoch 0 when
+    absent), or None if malformed."""
+    limit, *fields = (part.strip() for part in value.decode("latin-1").split(";"))
+    named = dict(field.partition("=")[::2] for field in fields)
+    prefix, epoch = named.get("prefix", ""), named.get("epoch", "0")
+    if not prefix.startswith("/") or not limit.isdigit() or not epoch.isdigit() or set(named) - {"prefix", "epoch"}:
         return None
-    return int(limit), prefix.rstrip("/") or "/"
+    return int(limit), prefix.rstrip("/") or "/", int(epoch)
 
 
 class AdmissionGate:
@@ -164,8 +169,11 @@ class AdmissionGate:
     while confirmed: learned from an answer since the app last had nothing in flight here for
     :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it). Until an answer
     confirms it again, requests pass to Serve: the Ingress takes a few more than the limit
-    (``deployments.app.INGRESS_SPARE_SLOTS``), so the first over it reaches the Router, whose
-    refusal (429, in the Ingress's time) names the limit and re-arms the gate."""
+    (``deployments.ingress.INGRESS_SPARE_SLOTS``), so the first over it reaches the Router, whose
+    refusal (429, in the Ingress's time) names the limit and re-arms the gate. An answer from an
+    Ingress that started before the newest one seen (its epoch; an old replica still draining
+    after a redeploy) neither changes nor confirms the limit. Between a redeploy and the first
+    answer of its new Ingress while requests are in flight, the old limit still applies."""
 
     def __init__(self, app):
         self.app = app
@@ -173,6 +181,7 @@ class AdmissionGate:
         self.in_flight: dict[str, int] = {}  # route prefix -> requests forwarded and not yet answered
         self.confirmed: set[str] = set()     # route prefixes whose limit is enforced
         self.idle_since: dict[str, float] = {}  # route prefix -> when its last request in flight ended
+        self.epochs: dict[str, int] = {}     # route prefix -> the newest Ingress start (ns) seen answering
 
     def learn_from(self, message) -> None:
         """Learn a limit and prefix from a response start's :data:`ADMISSION_HEADER`."""
@@ -180,7 +189,10 @@ class AdmissionGate:
             if name.lower() == ADMISSION_HEADER:
                 learned = parse_admission(value)
                 if learned is not None:
-                    limit, prefix = learned
+                    limit, prefix, epoch = learned
+                    if epoch < self.epochs.get(prefix, 0):
+                        continue  # an older Ingress (draining after a redeploy): its limit may be stale
+                    self.epochs[prefix] = epoch
                     self.limits[prefix] = limit
                     self.confirmed.add(prefix)
                     if not self.in_flight.get(prefix):  # its first answer here: uncounted

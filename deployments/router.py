@@ -307,9 +307,11 @@ class Router:
             if not answer.done():
                 answer.cancel()
 
-    def renew_lease(self, caller: str) -> None:
-        """A caller (an Ingress replica) is alive: keep its requests."""
+    def renew_lease(self, caller: str) -> int:
+        """A caller (an Ingress replica) is alive: keep its requests. Returns the admission limit
+        in force (requests: :meth:`_admission_limit`, live ``user_config`` and replicas included)."""
         self._reached = self._leases[caller] = time.monotonic()
+        return self._admission_limit()
 
     async def wanted_requests(self, batch_id: str, known: list[str] | None = None, wait_s: float = 0.0) -> list[str]:
         """The ids of a running batch's requests that still have a caller (a replica asks while

@@ -148,13 +148,16 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
 
 
 def _app_of_limit_2_holding_its_api_until(release: asyncio.Event):
-    """An ASGI app whose answers name the admission limit 2 at ``/``, holding its ``/v1``
-    requests (but ``/v1/models``) until ``release`` is set."""
+    """An ASGI app whose answers name the admission limit 2 at ``/`` (or ``?limit=L&epoch=E``:
+    an Ingress started at E naming L), holding its ``/v1`` requests (but ``/v1/models``) until
+    ``release`` is set."""
     async def app(scope, receive, send):
         if scope["path"].startswith("/v1/") and scope["path"] != "/v1/models":
             await release.wait()
+        asked = dict(pair.split("=") for pair in scope["query_string"].decode().split("&") if pair)
+        header = admission_header(int(asked.get("limit", 2)), "", int(asked.get("epoch", 1)))
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), admission_header(2, "")]})
+                    "headers": [(b"content-type", b"application/json"), header]})
         await send({"type": "http.response.body", "body": b"{}"})
 
     return app
@@ -164,9 +167,10 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
     """The gate learns an app's limit and prefix from its answers' header, counts the API
     requests it forwards, answers 429 (envelope, Retry-After) at once at the limit, lets them
     through again when one finishes, and leaves other paths and unknown apps alone."""
-    assert parse_admission(admission_header(264, "")[1]) == (264, "/")
-    assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1")
-    assert parse_admission(b"eight; prefix=/") is None and parse_admission(b"8") is None
+    assert parse_admission(admission_header(264, "", 17)[1]) == (264, "/", 17)
+    assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1", 0)
+    for malformed in (b"eight; prefix=/", b"8", b"8; prefix=/; epoch=x", b"8; prefix=/; other=1"):
+        assert parse_admission(malformed) is None, malformed
     release = asyncio.Event()
     gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
 
@@ -215,6 +219,30 @@ def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_o
             assert refused.status_code == 429  # 3 in flight >= 2
             release.set()
             assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 3
+
+    asyncio.run(run())
+
+
+def test_the_admission_gate_ignores_the_limit_an_older_ingress_names_after_a_redeploy():
+    """A redeploy raised the limit from 2 to 4: once the new Ingress (a later epoch) has
+    answered, an answer from the old one, still draining, neither lowers the limit again nor
+    re-arms the gate at it (it did: the gate refused at 2 until the next new answer)."""
+    release = asyncio.Event()
+    gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(gate), base_url="http://t") as c:
+            assert (await c.get("/v1/models?limit=2&epoch=100")).status_code == 200
+            assert gate.limits["/"] == 2
+            assert (await c.get("/v1/models?limit=4&epoch=200")).status_code == 200  # the new Ingress
+            assert (await c.get("/v1/models?limit=2&epoch=100")).status_code == 200  # the old one, draining
+            assert gate.limits["/"] == 4 and gate.epochs["/"] == 200
+            held = [asyncio.ensure_future(c.post("/v1/images/generations?limit=4&epoch=200")) for _ in range(4)]
+            await asyncio.sleep(0.05)
+            assert gate.in_flight["/"] == 4 and not any(f.done() for f in held)  # 3 and 4 not refused at 2
+            assert (await c.post("/v1/images/generations")).status_code == 429  # at 4: refused
+            release.set()
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 4
 
     asyncio.run(run())
 

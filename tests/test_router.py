@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import threading
 import time
@@ -187,7 +188,7 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
     refused in the proxy at once: none waits at Serve's door, none reaches the Router."""
     url = deploy(ONE_SMALL_QUEUE)
     first = httpx.get(f"{url}/v1/models", timeout=30)
-    assert first.status_code == 200 and first.headers["x-ditserve-admission"] == "6; prefix=/"
+    assert first.status_code == 200 and re.fullmatch(r"6; prefix=/; epoch=\d+", first.headers["x-ditserve-admission"])
     router = serve.get_deployment_handle("Router", "ditserve")
     held = lambda: router.stats.remote().result()  # noqa: E731
     before = held()["counters"]
@@ -374,6 +375,10 @@ def _deploy_config(args: dict, router_user_config: dict, deployments: tuple = ()
 
 
 def test_user_config_changes_batching_without_a_restart(ray_cluster):
+    """A config file's Router ``user_config`` changes the batching knobs live (no replica
+    restarted), and with them the admission limit the Ingress names for the proxy's gate: up to
+    what the Ingress takes (its ``max_ongoing_requests`` less 4 spare slots), then, once the file
+    raises that too (a live update as well), the Router's whole limit."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
     small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
@@ -383,14 +388,24 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         _deploy_config(one, small["batching"])
         before = stats(url)
         assert before["max_batch_size"] == 1
+        admission = lambda: serve.get_app_handle("ditserve").stats.remote().result()["ingress"]  # noqa: E731
         assert {k: before["batching"][k] for k in small["batching"]} == small["batching"]  # the file's knobs
         with ThreadPoolExecutor(6) as pool:
             sizes = [r.json()["ditserve"]["batch_size"]
                      for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
         assert max(sizes) == 1
+        wait_until(lambda: admission()["admission_limit"] == 64 + 1)  # the Router's: 64 queued + a batch of 1
+        ingress_replica = admission()["replica"]
         replicas_before = set(stats(url)["replicas"])
         _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
         wait_until(lambda: stats(url)["max_batch_size"] == 8, timeout=60)
+        # the Router admits 64 + 8, the Ingress takes 68 + 4 (sized from args: 64 + a batch of 4)
+        wait_until(lambda: admission()["admission_limit"] == 68)
+        _deploy_config(one, {**one["batching"], "max_batch_size": 8},
+                       ({"name": "Ingress", "max_ongoing_requests": 72 + 4},))
+        wait_until(lambda: admission()["admission_limit"] == 72, timeout=60)
+        assert admission()["replica"] == ingress_replica  # a live update too
+        assert re.fullmatch(r"72; prefix=/; epoch=\d+", httpx.get(f"{url}/v1/models").headers["x-ditserve-admission"])
         after = stats(url)
         assert after["router_replica"] == before["router_replica"] and after["max_batch_size"] == 8
         with ThreadPoolExecutor(8) as pool:
