@@ -90,7 +90,7 @@ def ingress_slots() -> tuple[int, int]:
     try:
         config = serve.get_replica_context()._deployment_config
         autoscaling = config.autoscaling_config
-        return config.max_ongoing_requests, autoscaling.max_replicas if autoscaling else config.num_replicas
+        return config.max_ongoing_requests, (autoscaling.max_replicas if autoscaling else config.num_replicas) or 1
     except AttributeError as exc:
         raise CompatError(f"Ray Serve's ReplicaContext no longer has _deployment_config ({exc}); ditserve is "
                           f"tested with ray{TESTED}") from None
