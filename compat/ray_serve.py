@@ -81,16 +81,14 @@ def power_of_two_choices_router() -> type:
     return PowerOfTwoChoicesRequestRouter
 
 
-def ingress_slots() -> tuple[int, int]:
-    """``(max_ongoing_requests, replicas)`` of the calling replica's deployment as Serve runs it
-    now (a config file's ``deployments`` section changes them without restarting the replica;
-    replicas: ``num_replicas``, or autoscaling's ``max_replicas``). Only inside a replica."""
+def max_ongoing_requests() -> int:
+    """The calling replica's ``max_ongoing_requests`` as Serve runs it now (a config file's
+    ``deployments`` section changes it without restarting the replica: Serve reconfigures the
+    running replica and its context). Only inside a replica."""
     from ray import serve
 
     try:
-        config = serve.get_replica_context()._deployment_config
-        autoscaling = config.autoscaling_config
-        return config.max_ongoing_requests, (autoscaling.max_replicas if autoscaling else config.num_replicas) or 1
+        return serve.get_replica_context()._deployment_config.max_ongoing_requests
     except AttributeError as exc:
         raise CompatError(f"Ray Serve's ReplicaContext no longer has _deployment_config ({exc}); ditserve is "
                           f"tested with ray{TESTED}") from None

@@ -6,7 +6,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import AppConfig, with_env_overrides
+from deployments.config import AppConfig, admission_limit_of, with_env_overrides
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -30,9 +30,10 @@ INGRESS_PROXY_QUEUE = 32
 
 def admission_limit(config: AppConfig) -> int:
     """Requests the app holds at once: ``max_queued_requests`` plus a full batch per replica
-    (the most replicas autoscaling may start)."""
-    replicas = config.replica.autoscaling.max_replicas if config.replica.autoscaling else config.replica.num_replicas
-    return config.batching.max_queued_requests + config.batching.max_batch_size * replicas
+    (the most replicas autoscaling may start). The Ingress's ``max_ongoing_requests`` is sized
+    from it; its answers name it for the proxy's gate until the Router's live knobs replace it."""
+    return admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size,
+                              config.replica.most_replicas)
 
 
 def deployment_options(config: AppConfig) -> dict[str, dict]:
@@ -113,5 +114,6 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
                                                       config.videos.model_dump(), config.replica.routing_nice)
     ingress_config = {**config.model_dump(exclude={"acceleration", "batching", "videos"}),
                       "admission_limit": admission_limit(config),  # what the proxy's AdmissionGate admits
+                      "most_replicas": config.replica.most_replicas,  # for the live limit (Router's knobs)
                       "routing_nice": config.replica.routing_nice}
     return Ingress.options(**options["Ingress"]).bind(router, ingress_config)

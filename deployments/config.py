@@ -325,11 +325,22 @@ class ReplicaConfig(_Strict):
         return self
 
     @property
+    def most_replicas(self) -> int:
+        """Replicas at most: ``num_replicas``, or autoscaling's ``max_replicas``."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    @property
     def initial_replicas(self) -> int:
         """Replicas at start: ``num_replicas``, or the autoscaling initial/min count."""
         if self.autoscaling is None:
             return self.num_replicas
         return self.autoscaling.initial_replicas or self.autoscaling.min_replicas
+
+
+def admission_limit_of(max_queued_requests: int, max_batch_size: int, replicas: int) -> int:
+    """Requests an app holds at once: ``max_queued_requests`` waiting plus a full batch
+    (``max_batch_size`` images) on each of ``replicas``."""
+    return max_queued_requests + max_batch_size * replicas
 
 
 class ParallelSettings(_Strict):

@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
-from compat.ray_serve import ingress_slots
-from deployments.config import lora_registry
+from compat import CompatError
+from compat.ray_serve import max_ongoing_requests
+from deployments.config import admission_limit_of, lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
@@ -40,6 +41,20 @@ LEASE_RENEW_S = 1.0  # see Router.renew_lease
 # the limit in its answer's header, re-arming the gate; with no spare slot they waited at Serve's
 # door for a generation to end, and the gate for that answer.
 INGRESS_SPARE_SLOTS = 4
+
+
+def named_admission_limit(max_queued_requests: int, max_batch_size: int, replicas: int,
+                          max_ongoing_requests: int) -> tuple[int, int | None]:
+    """``(limit, needed)``: the admission limit (requests) an Ingress replica names for the
+    proxy's gate given the Router's live knobs and the most DiTReplica ``replicas``
+    (:func:`deployments.config.admission_limit_of`), at most what its Serve
+    ``max_ongoing_requests`` takes less :data:`INGRESS_SPARE_SLOTS` (and at least 1); ``needed``
+    is the ``max_ongoing_requests`` that would take the whole limit when it does not (else None)."""
+    wanted = admission_limit_of(max_queued_requests, max_batch_size, replicas)
+    taken = max_ongoing_requests - INGRESS_SPARE_SLOTS
+    if wanted <= taken:
+        return wanted, None
+    return max(1, taken), wanted + INGRESS_SPARE_SLOTS
 # OpenAI's video content variants served -> media type (no spritesheet)
 VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
@@ -82,41 +97,51 @@ class Ingress:
         api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
         api.state.admission_limit = config.get("admission_limit")  # for the proxy's AdmissionGate
         api.state.admission_epoch = time.time_ns()  # this replica's start: the gate trusts the newest
-        self._capped_at: int | None = None  # the Router limit last warned about (over this Ingress's slots)
+        self._most_replicas = config.get("most_replicas", 1)  # DiTReplicas at most (ReplicaConfig.most_replicas)
+        self._capped_at: int | None = None  # the max_ongoing_requests last warned about
         self._caller = serve.get_replica_context().replica_id.unique_id
         self._lease: asyncio.Task | None = None
+        try:  # from the start, so the first answers name the live limit (Serve builds replicas in its loop)
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(), context=contextvars.Context())
+        except RuntimeError:  # no loop here: the first request starts it
+            pass
         self._waiting = 0  # requests this replica has handed to the Router and not yet answered
         self._trimmer = IdleTrimmer(lambda: self._waiting)
 
     async def _keep_lease(self) -> None:
         """Tell the Router every second that this replica lives, so it keeps its requests; when
         this process dies, the Router drops (or stops) the work it was waiting for. Its answer,
-        the Router's live admission limit, is what this replica's answers name from then on."""
+        the Router's live admission knobs, sets the limit this replica's answers name."""
         while True:
             try:
-                self._follow_admission_limit(await self._router.renew_lease.remote(self._caller))
+                knobs = await self._router.renew_lease.remote(self._caller)
             except Exception:  # noqa: BLE001 - the Router is restarting: renew with the next one
-                pass
+                knobs = None
+            if knobs is not None and api.state.admission_limit is not None:  # None: built without a limit
+                self._follow_admission_limit(knobs)
             await asyncio.sleep(LEASE_RENEW_S)
 
-    def _follow_admission_limit(self, router_limit: int) -> None:
-        """Name ``router_limit`` (requests; the Router's, after a live ``user_config`` change or
-        autoscaling) in this replica's answers for the proxy's gate, at most the requests this
-        deployment's replicas take (Serve's ``max_ongoing_requests`` less
-        :data:`INGRESS_SPARE_SLOTS`, per replica): beyond them requests wait at Serve's door,
-        and a warning names the ``max_ongoing_requests`` that would take them."""
-        if api.state.admission_limit is None:  # built without a limit: no header to keep
+    def _follow_admission_limit(self, knobs: dict) -> None:
+        """Name the limit of the Router's live ``knobs`` in this replica's answers for the proxy's
+        gate (:func:`named_admission_limit`), warning once per value when this replica's Serve
+        ``max_ongoing_requests`` cannot take it all."""
+        try:
+            slots = max_ongoing_requests()
+        except CompatError as exc:  # an untested Ray: the limit from args stays
+            if not self._capped_at:
+                self._capped_at = -1
+                logging.getLogger("ray.serve").warning("the admission limit stays at its args value: %s", exc)
             return
-        slots, replicas = ingress_slots()
-        taken = (slots - INGRESS_SPARE_SLOTS) * replicas
-        if router_limit > taken and self._capped_at != router_limit:
-            self._capped_at = router_limit
+        limit, needed = named_admission_limit(knobs["max_queued_requests"], knobs["max_batch_size"],
+                                              self._most_replicas, slots)
+        if needed is not None and self._capped_at != needed:
+            self._capped_at = needed
             logging.getLogger("ray.serve").warning(
-                "the Router admits %d requests but the Ingress takes %d (max_ongoing_requests %d on %d replicas); "
-                "requests beyond %d wait at Serve's door. Set the Ingress's max_ongoing_requests to %d in the "
-                "config file's deployments section.", router_limit, taken, slots, replicas, taken,
-                -(-router_limit // replicas) + INGRESS_SPARE_SLOTS)
-        api.state.admission_limit = max(1, min(router_limit, taken))
+                "the Router admits %d requests but this Ingress takes %d (max_ongoing_requests %d less %d spare): "
+                "requests beyond them wait at Serve's door. Set the Ingress's max_ongoing_requests to %d in the "
+                "config file's deployments section.", needed - INGRESS_SPARE_SLOTS, limit, slots,
+                INGRESS_SPARE_SLOTS, needed)
+        api.state.admission_limit = limit
 
     def _started(self) -> None:
         """A request arrived: keep the Router's lease and this process's memory trimming going.

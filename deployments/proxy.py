@@ -46,7 +46,7 @@ import os
 from starlette.middleware import Middleware
 
 # "<limit>; prefix=<route prefix>; epoch=<ns>": requests an app holds at once (the Router's live
-# limit: max_queued_requests plus a full batch per replica, at most what its Ingress takes), where
+# max_queued_requests plus a full batch per replica, at most what its Ingress takes), where
 # it is mounted, and when the answering Ingress replica started (ns since the Unix epoch): a
 # redeploy's new Ingress names a later epoch, and the gate ignores limits named by older ones.
 ADMISSION_HEADER = b"x-ditserve-admission"
@@ -153,7 +153,8 @@ def parse_admission(value: bytes) -> tuple[int, str, int] | None:
     limit, *fields = (part.strip() for part in value.decode("latin-1").split(";"))
     named = dict(field.partition("=")[::2] for field in fields)
     prefix, epoch = named.get("prefix", ""), named.get("epoch", "0")
-    if not prefix.startswith("/") or not limit.isdigit() or not epoch.isdigit() or set(named) - {"prefix", "epoch"}:
+    digits = lambda text: text.isascii() and text.isdigit()  # noqa: E731 - int() refuses '²', isdigit() not
+    if not prefix.startswith("/") or not digits(limit) or not digits(epoch) or set(named) - {"prefix", "epoch"}:
         return None
     return int(limit), prefix.rstrip("/") or "/", int(epoch)
 
@@ -172,8 +173,11 @@ class AdmissionGate:
     (``deployments.ingress.INGRESS_SPARE_SLOTS``), so the first over it reaches the Router, whose
     refusal (429, in the Ingress's time) names the limit and re-arms the gate. An answer from an
     Ingress that started before the newest one seen (its epoch; an old replica still draining
-    after a redeploy) neither changes nor confirms the limit. Between a redeploy and the first
-    answer of its new Ingress while requests are in flight, the old limit still applies."""
+    after a redeploy) neither changes nor confirms the limit while the newest has answered within
+    :data:`ADMISSION_STALE_AFTER_IDLE_S` (after that, it was scaled down, or its node's clock is
+    ahead: the older one's answers count again; several live Ingress replicas name the same
+    limit, so ignoring the older ones loses nothing). Between a redeploy and the first answer of its
+    new Ingress while requests are in flight, the old limit still applies."""
 
     def __init__(self, app):
         self.app = app
@@ -182,6 +186,7 @@ class AdmissionGate:
         self.confirmed: set[str] = set()     # route prefixes whose limit is enforced
         self.idle_since: dict[str, float] = {}  # route prefix -> when its last request in flight ended
         self.epochs: dict[str, int] = {}     # route prefix -> the newest Ingress start (ns) seen answering
+        self.epoch_heard: dict[str, float] = {}  # route prefix -> when that Ingress last answered
 
     def learn_from(self, message) -> None:
         """Learn a limit and prefix from a response start's :data:`ADMISSION_HEADER`."""
@@ -190,9 +195,11 @@ class AdmissionGate:
                 learned = parse_admission(value)
                 if learned is not None:
                     limit, prefix, epoch = learned
-                    if epoch < self.epochs.get(prefix, 0):
+                    now = asyncio.get_running_loop().time()
+                    if (epoch < self.epochs.get(prefix, 0)
+                            and now - self.epoch_heard[prefix] <= ADMISSION_STALE_AFTER_IDLE_S):
                         continue  # an older Ingress (draining after a redeploy): its limit may be stale
-                    self.epochs[prefix] = epoch
+                    self.epochs[prefix], self.epoch_heard[prefix] = epoch, now
                     self.limits[prefix] = limit
                     self.confirmed.add(prefix)
                     if not self.in_flight.get(prefix):  # its first answer here: uncounted

@@ -307,11 +307,11 @@ class Router:
             if not answer.done():
                 answer.cancel()
 
-    def renew_lease(self, caller: str) -> int:
-        """A caller (an Ingress replica) is alive: keep its requests. Returns the admission limit
-        in force (requests: :meth:`_admission_limit`, live ``user_config`` and replicas included)."""
+    def renew_lease(self, caller: str) -> dict:
+        """A caller (an Ingress replica) is alive: keep its requests. Returns the admission knobs
+        in force, ``{"max_queued_requests", "max_batch_size"}`` (a live ``user_config`` included)."""
         self._reached = self._leases[caller] = time.monotonic()
-        return self._admission_limit()
+        return {"max_queued_requests": self._max_queued, "max_batch_size": self._max_batch_size}
 
     async def wanted_requests(self, batch_id: str, known: list[str] | None = None, wait_s: float = 0.0) -> list[str]:
         """The ids of a running batch's requests that still have a caller (a replica asks while

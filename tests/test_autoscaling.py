@@ -104,6 +104,8 @@ def test_a_flooded_router_queue_adds_a_replica(deploy):
     deploy(AUTOSCALE_ARGS, fresh=True)
     handle = serve.get_app_handle("ditserve")
     assert _replicas_running() == 1
+    # the limit the Ingress names for the proxy's gate counts a batch on each replica it may start
+    assert handle.stats.remote().result()["ingress"]["admission_limit"] == 256 + 1 * 2
     body = lambda i: {"prompt": f"a shape {i}", "seed": i, "num_inference_steps": 8, "size": "64x64"}
     responses, sent, started = [], 0, time.monotonic()
     deadline = started + 240  # a bound on the wait, not a timing assertion

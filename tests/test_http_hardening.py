@@ -169,7 +169,8 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
     through again when one finishes, and leaves other paths and unknown apps alone."""
     assert parse_admission(admission_header(264, "", 17)[1]) == (264, "/", 17)
     assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1", 0)
-    for malformed in (b"eight; prefix=/", b"8", b"8; prefix=/; epoch=x", b"8; prefix=/; other=1"):
+    for malformed in (b"eight; prefix=/", b"8", b"8; prefix=/; epoch=x", b"8; prefix=/; other=1",
+                      b"8; prefix=/; epoch=\xb2", b"\xb2; prefix=/"):
         assert parse_admission(malformed) is None, malformed
     release = asyncio.Event()
     gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
@@ -223,10 +224,15 @@ def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_o
     asyncio.run(run())
 
 
-def test_the_admission_gate_ignores_the_limit_an_older_ingress_names_after_a_redeploy():
+def test_the_admission_gate_ignores_the_limit_an_older_ingress_names_after_a_redeploy(monkeypatch):
     """A redeploy raised the limit from 2 to 4: once the new Ingress (a later epoch) has
     answered, an answer from the old one, still draining, neither lowers the limit again nor
-    re-arms the gate at it (it did: the gate refused at 2 until the next new answer)."""
+    re-arms the gate at it (it did: the gate refused at 2 until the next new answer). Once the
+    newest has been silent for longer than the limit is trusted (scaled down, or its clock was
+    ahead), an older one's answers count again."""
+    from deployments import proxy
+
+    monkeypatch.setattr(proxy, "ADMISSION_STALE_AFTER_IDLE_S", 0.5)
     release = asyncio.Event()
     gate = AdmissionGate(_app_of_limit_2_holding_its_api_until(release))
 
@@ -243,8 +249,25 @@ def test_the_admission_gate_ignores_the_limit_an_older_ingress_names_after_a_red
             assert (await c.post("/v1/images/generations")).status_code == 429  # at 4: refused
             release.set()
             assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 4
+            await asyncio.sleep(0.6)  # epoch 200 silent for longer than the limit is trusted
+            assert (await c.get("/v1/models?limit=3&epoch=100")).status_code == 200
+            assert gate.limits["/"] == 3 and gate.epochs["/"] == 100
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("knobs, replicas, max_ongoing_requests, expected", [
+    ((64, 8), 1, 72 + 4, (72, None)),      # the app as built: limit + 4 spare slots
+    ((64, 8), 1, 100, (72, None)),         # more slots than needed: the Router's limit
+    ((64, 8), 4, 96 + 4, (96, None)),      # autoscaling: a batch per replica it may start
+    ((128, 8), 1, 72 + 4, (72, 140)),      # a live raise beyond the slots: capped, 140 named
+    ((2, 4), 1, 4, (1, 10)),               # no slot beyond the spare ones: still 1
+])
+def test_the_admission_limit_an_ingress_names(knobs, replicas, max_ongoing_requests, expected):
+    from deployments.ingress import named_admission_limit
+
+    max_queued_requests, max_batch_size = knobs
+    assert named_admission_limit(max_queued_requests, max_batch_size, replicas, max_ongoing_requests) == expected
 
 
 def test_the_proxy_collects_garbage_fully_only_when_idle(monkeypatch):

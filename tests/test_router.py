@@ -389,12 +389,12 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         before = stats(url)
         assert before["max_batch_size"] == 1
         admission = lambda: serve.get_app_handle("ditserve").stats.remote().result()["ingress"]  # noqa: E731
+        wait_until(lambda: admission()["admission_limit"] == 64 + 1)  # the Router's: 64 queued + a batch of 1
         assert {k: before["batching"][k] for k in small["batching"]} == small["batching"]  # the file's knobs
         with ThreadPoolExecutor(6) as pool:
             sizes = [r.json()["ditserve"]["batch_size"]
                      for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
         assert max(sizes) == 1
-        wait_until(lambda: admission()["admission_limit"] == 64 + 1)  # the Router's: 64 queued + a batch of 1
         ingress_replica = admission()["replica"]
         replicas_before = set(stats(url)["replicas"])
         _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
