@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
 from compat import CompatError
-from compat.ray_serve import max_ongoing_requests
+from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
 from deployments.config import admission_limit_of, lora_registry
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
@@ -42,6 +42,12 @@ LEASE_RENEW_S = 1.0  # see Router.renew_lease
 # door for a generation to end, and the gate for that answer.
 INGRESS_SPARE_SLOTS = 4
 
+# OpenAI's video content variants served -> media type (no spritesheet)
+VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
+PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
+EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
+VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
+
 
 def named_admission_limit(max_queued_requests: int, max_batch_size: int, replicas: int,
                           max_ongoing_requests: int) -> tuple[int, int | None]:
@@ -55,11 +61,7 @@ def named_admission_limit(max_queued_requests: int, max_batch_size: int, replica
     if wanted <= taken:
         return wanted, None
     return max(1, taken), wanted + INGRESS_SPARE_SLOTS
-# OpenAI's video content variants served -> media type (no spritesheet)
-VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
-PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
-EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
-VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
+
 
 def sse(events) -> StreamingResponse:
     """OpenAI's image streaming events as Server-Sent Events (``event:`` type, ``data:`` JSON)."""
@@ -126,7 +128,7 @@ class Ingress:
         gate (:func:`named_admission_limit`), warning once per value when this replica's Serve
         ``max_ongoing_requests`` cannot take it all."""
         try:
-            slots = max_ongoing_requests()
+            slots = live_max_ongoing_requests()
         except CompatError as exc:  # an untested Ray: the limit from args stays
             if not self._capped_at:
                 self._capped_at = -1
