@@ -30,7 +30,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from deployments.config import BatchingConfig
+from deployments.config import BatchingConfig, admission_limit_of
 from deployments.jobs import JobStore, VideoJobs
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for, replica_count
@@ -194,8 +194,7 @@ class Router:
     def _admission_limit(self) -> int:
         """Requests held at once, queued or running: ``max_queued_requests`` plus a full batch
         per replica (the bound the Ingress and Serve's proxy enforce in front of the Router)."""
-        replicas = self._replica_count() or self._capacity
-        return self._max_queued + self._max_batch_size * replicas
+        return admission_limit_of(self._max_queued, self._max_batch_size, self._replica_count() or self._capacity)
 
     def _admit(self, params: SamplingParams) -> None:
         """Raise ``OverloadedError`` when the queued and running requests reach the admission
