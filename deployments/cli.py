@@ -15,6 +15,7 @@ import sys
 import threading
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -534,6 +535,25 @@ def lora_arg(value: str) -> dict:
         raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a number), got {value!r}") from None
 
 
+def server_url(value: str) -> str:
+    """``--url``: the server's base URL, ``http(s)://HOST[:PORT][/PREFIX]`` (its Serve route
+    prefix, if not ``/``), returned without a trailing ``/`` and without a trailing ``/v1`` (as
+    OpenAI clients write a base URL): the commands add ``/v1/...`` themselves. Raises
+    ``argparse.ArgumentTypeError`` for anything else (no scheme, another scheme, no host, a
+    port that is not a number, a query or fragment)."""
+    parts = urllib.parse.urlsplit(value.strip())
+    try:
+        port_ok = parts.port is None or 0 < parts.port
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"takes the server's URL http(s)://HOST:PORT[/PREFIX] "
+                                         f"(e.g. http://127.0.0.1:8000), got {value[:80]!r}")
+    path = parts.path.rstrip("/")
+    path = path[:-len("/v1")] if path.endswith("/v1") else path
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
 def json_object_arg(value: str) -> dict:
     """``--extra``: a JSON object of request fields (anything else is a usage error)."""
     try:
@@ -664,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="request one image from a running server and save it")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .jpg or .webp: its format)")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
+                   help="the server (its route prefix too, if not /)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
@@ -683,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .jpg or .webp: its format)")
     p.add_argument("--mask", help="a PNG the image's size whose transparent pixels (alpha 0) mark what to repaint")
     p.add_argument("--strength", type=float, help="in (0, 1]: the share of the steps that re-noise the image")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
+                   help="the server (its route prefix too, if not /)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels (default: the image's size)")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
@@ -699,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("video", help="create one video job on a running server, wait for it, save the MP4")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True, help="MP4 file to write")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
+                   help="the server (its route prefix too, if not /)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seconds", help="length in seconds (or give num_frames in --extra)")
     p.add_argument("--seed", type=int)

@@ -76,12 +76,13 @@ class _Answering(http.server.ThreadingHTTPServer):
     a server or proxy that answers what ditserve never should, to see what the CLI prints."""
 
     def __init__(self, status: int, content_type: str, body: bytes):
-        self.answer, self.posts = (status, content_type, body), 0
+        self.answer, self.posts, self.paths = (status, content_type, body), 0, []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805 (the server is self)
                 handler.rfile.read(int(handler.headers.get("content-length") or 0))
                 self.posts += 1
+                self.paths.append(handler.path)
                 status, content_type, body = self.answer
                 handler.send_response(status)
                 handler.send_header("content-type", content_type)
@@ -155,6 +156,28 @@ def test_answers_ditserve_never_gives_are_one_line(tmp_path, capsys, answer, str
         assert last.startswith("error") and said in last and "Traceback" not in err, err
         assert "\nerror" in "\n" + err  # on its own line, not after a progress bar's
         assert not out.exists() and "wrote" not in capsys.readouterr().out
+    finally:
+        server.shutdown()
+
+
+def test_a_server_url_as_people_write_it_reaches_the_api(tmp_path, capsys):
+    """``--url`` with a trailing slash (or OpenAI's base-URL form ending in /v1) asked
+    ``//v1/images/generations`` and printed the server's 404; a URL without a scheme was
+    called a connection lost mid-answer. Now the same routes are reached, and a URL that is
+    not one is a usage error naming --url, before any request, for every command."""
+    server = _Answering(200, "application/json", json.dumps({"created": 1, "data": [{"b64_json": _PNG}]}).encode())
+    try:
+        for url in (server.url, server.url + "/", server.url + "/v1", server.url + "/v1/", " " + server.url + "//"):
+            assert main(["generate", "a", "-o", str(tmp_path / "a.png"), "--url", url]) == 0, url
+        assert server.paths == ["/v1/images/generations"] * 5
+        host = server.url.removeprefix("http://")
+        for command in (["generate", "a"], ["edit", str(tmp_path / "a.png"), "a"], ["video", "a"]):
+            for url in (host, "ftp://" + host, "http://", "http://h:port", "http://h:70000", server.url + "/?q=1"):
+                with pytest.raises(SystemExit) as exited:
+                    main([*command, "-o", str(tmp_path / "b.png"), "--url", url])
+                err = capsys.readouterr().err
+                assert exited.value.code == 2 and "argument --url: takes the server's URL" in err, (command, url, err)
+        assert server.posts == 5
     finally:
         server.shutdown()
 
