@@ -12,8 +12,11 @@ Policy (late binding; a batch is formed only when a replica can take it):
    (closed-loop clients answered a moment ago, bursts) still gather into full batches.
    Queues are considered *urgent work first*: a queue holding an ``interactive`` request, or
    a ``batch`` one that waited past ``max_batch_priority_wait_ms`` (:func:`is_urgent`), comes
-   before queues of batch work, the oldest urgent request first; then the oldest head.
-   Priority is not part of the signature: a batch is cut urgent requests first.
+   before queues of batch work, the oldest urgent request first; then the oldest head. Batch
+   work never takes a free replica that an urgent queue still gathering company (not ready
+   yet) would take: one free replica per such queue is held for it, at most ``max_wait_ms``,
+   where batch work would hold it for a whole batch. Priority is not part of the signature:
+   a batch is cut urgent requests first.
 2. Without affinity: the first ready queue goes to any free replica.
 3. With affinity, the choice weighs waiting against state changes, a state change counting
    as ``switch_cost_s`` of waiting (``affinity_switch_cost_ms``):
@@ -47,7 +50,7 @@ Policy (late binding; a batch is formed only when a replica can take it):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.modes import Priority, StrEnum
 
@@ -144,7 +147,14 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
         key=serving_order)
     if not ready:
         return None
+    # free replicas held for urgent queues still gathering company (not ready yet): batch work
+    # waits for them at most max_wait_ms instead of taking them for a whole batch
+    reserved = _reserved_for_gathering(queues, ready, free)
     if not affinity:
+        if ready[0].urgent_age_s is None:  # batch work: only on a free replica no urgent queue gathers for
+            free = [r for r in free if r.replica_id not in reserved]
+            if not free:
+                return None
         return Decision(ready[0].signature, RoutingDecision.FIFO, free[0].replica_id)
     waiting = {q.signature: q.head_age_s for q in queues if q.images}  # every queued state, ready or not
     held = {r.last_signature for r in replicas}
@@ -154,7 +164,8 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     decision = _affinity_choice(urgent, replicas, urgent_waiting, held, max_affinity_wait_s, switch_cost_s)
     if decision is not None:
         return decision
-    decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], replicas, waiting, held,
+    batch_replicas = [replace(r, busy=True) if r.replica_id in reserved else r for r in replicas]
+    decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], batch_replicas, waiting, held,
                                 max_affinity_wait_s, switch_cost_s)
     unheld_urgent = [q for q in urgent if q.signature not in held]
     if decision is not None and unheld_urgent:  # the free replica switches for urgent work, not batch work
@@ -162,11 +173,32 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     return decision
 
 
+def _reserved_for_gathering(queues: list[QueueView], ready: list[QueueView], free: list[ReplicaView]) -> set[str]:
+    """Ids of the free replicas held for urgent queues that are not ready yet (gathering company
+    for up to ``max_wait_ms``), one per queue in serving order: the one in its state, else one
+    whose state no ready queue of batch work has, else the first left."""
+    ready_signatures = {q.signature for q in ready}
+    batch_states = {q.signature for q in ready if q.urgent_age_s is None}
+    gathering = sorted((q for q in queues if q.images and q.urgent_age_s is not None
+                        and q.signature not in ready_signatures), key=serving_order)
+    left, reserved = list(free), set()
+    for q in gathering:
+        if not left:
+            break
+        pick = (next((r for r in left if r.last_signature == q.signature), None)
+                or next((r for r in left if r.last_signature not in batch_states), None) or left[0])
+        reserved.add(pick.replica_id)
+        left.remove(pick)
+    return reserved
+
+
 def _affinity_choice(ready: list[QueueView], replicas: list[ReplicaView], waiting: dict[str, float], held: set,
                      max_affinity_wait_s: float, switch_cost_s: float) -> Decision | None:
     """Rule 3 over ``ready`` (in serving order). ``waiting``: head age of the queues a free
     replica in their state waits for (one replica per state; the others are spare)."""
     free = [r for r in replicas if not r.busy]
+    if not free:  # every free replica is held for urgent work gathering company
+        return None
     owners: dict[str, str] = {}  # a queued state -> the one free replica that waits for it (others are spare)
     for r in free:
         if r.last_signature in waiting:

@@ -96,11 +96,12 @@ def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
     assert [r.json()["ditserve"]["batch_size"] for r in followers] == [3, 3, 3]
 
 
-def _dispatch_order(url, bodies: dict[str, dict]) -> list[str]:
-    """Queue ``bodies`` (name -> body), in order, behind a running batch on the only replica;
-    return their names in the order their batches were dispatched (batch ids count up)."""
+def _dispatch_order(url, bodies: dict[str, dict], busy_body: dict = SLOW) -> list[str]:
+    """Queue ``bodies`` (name -> body), in order, behind a running batch (``busy_body``) on the
+    only replica; return their names in the order their batches were dispatched (batch ids
+    count up)."""
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
-        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **SLOW})
+        busy = pool.submit(post, url, {"prompt": "busy", "seed": 0, **busy_body})
         wait_until(lambda: stats(url)["inflight_batches"] == 1)
         futures = {}
         for name, body in bodies.items():
@@ -116,7 +117,9 @@ def _dispatch_order(url, bodies: dict[str, dict]) -> list[str]:
 def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_cluster):
     """``priority: batch`` requests queued first still run after interactive ones (in one
     signature's queue and across queues); with a starvation bound of 0 (a ``user_config``
-    update: the same replicas) they keep their turn."""
+    update: the same replicas) they keep their turn. Batch work that is ready does not take the
+    replica from interactive work still gathering company (a long ``max_wait_ms``: both queues
+    wait past the running batch's end, the batch one, queued first, is ready first)."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
            "batching": {**TWO_REPLICAS["batching"], "max_batch_size": 1}}
     other = {**FAST, "num_inference_steps": 3}  # another signature
@@ -133,6 +136,11 @@ def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_c
         _deploy_config(one, {**one["batching"], "max_batch_priority_wait_ms": 0})
         wait_until(lambda: stats(url)["batching"]["max_batch_priority_wait_ms"] == 0, timeout=60)
         assert _dispatch_order(url, bodies) == ["b1", "b2", "i1", "i2"]
+        gathering = {**one["batching"], "max_batch_size": 4, "max_wait_ms": 4000}
+        _deploy_config(one, gathering)
+        wait_until(lambda: stats(url)["batching"]["max_wait_ms"] == 4000, timeout=60)
+        shorter = {**SLOW, "size": "128x128"}  # about 1.5 s: it ends before either queue is ready
+        assert _dispatch_order(url, {name: bodies[name] for name in ("b1", "i2")}, shorter) == ["i2", "b1"]
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 

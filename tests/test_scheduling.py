@@ -93,8 +93,21 @@ def u(sig, age, urgent_age, images=1):  # a queue holding urgent work (interacti
     ([q("B", 0.5), u("I", 0.02, 0.02)], [r("1", "I", busy=True), r("2", "B")], True, Decision("B", "hit", "2")),
     # ... until it is older than the switch cost: batch work in the free replica's state does not hold it
     ([q("B", 0.4), u("I", 0.3, 0.3)], [r("1", "I", busy=True), r("2", "B")], True, Decision("I", "miss", "2")),
-    # no urgent work ready: batch work flows as before
-    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", None)], True, Decision("B", "miss", "1")),
+    # urgent work still gathering company (not ready): the free replica waits for it, not
+    # taken by batch work for a whole batch (a review's example: batch work ran first)
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", None)], True, None),
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", None)], False, None),
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", "B")], True, None),
+    # ... one replica per gathering urgent queue: batch work takes another free one, the one
+    # in the urgent queue's state stays for it
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", "I"), r("2", "B")], True, Decision("B", "hit", "2")),
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", "B"), r("2", "I")], True, Decision("B", "hit", "1")),
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", "I"), r("2", "B")], False, Decision("B", "fifo", "2")),
+    ([q("B", 0.5), u("I", 0.001, 0.001), u("J", 0.002, 0.002)], [r("1", "I"), r("2", "B")], True, None),
+    # ... otherwise one whose state batch work does not want (batch work keeps its hit)
+    ([q("B", 0.5), u("I", 0.001, 0.001)], [r("1", "B"), r("2", "C")], True, Decision("B", "hit", "1")),
+    # no urgent work queued at all: batch work flows as before
+    ([q("B", 0.5)], [r("1", None)], True, Decision("B", "miss", "1")),
 ])
 def test_priority_table(queues, replicas, affinity, expected):
     assert choose_queue(queues, replicas, affinity=affinity, **KW) == expected
