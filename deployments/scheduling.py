@@ -150,12 +150,10 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     # free replicas held for urgent queues still gathering company (not ready yet): batch work
     # waits for them at most max_wait_ms instead of taking them for a whole batch
     reserved = _reserved_for_gathering(queues, ready, free)
-    if not affinity:
-        if ready[0].urgent_age_s is None:  # batch work: only on a free replica no urgent queue gathers for
-            free = [r for r in free if r.replica_id not in reserved]
-            if not free:
-                return None
-        return Decision(ready[0].signature, RoutingDecision.FIFO, free[0].replica_id)
+    batch_replicas = [replace(r, busy=True) if r.replica_id in reserved else r for r in replicas]
+    if not affinity:  # batch work only on a free replica no urgent queue gathers for
+        takers = free if ready[0].urgent_age_s is not None else [r for r in batch_replicas if not r.busy]
+        return Decision(ready[0].signature, RoutingDecision.FIFO, takers[0].replica_id) if takers else None
     waiting = {q.signature: q.head_age_s for q in queues if q.images}  # every queued state, ready or not
     held = {r.last_signature for r in replicas}
     urgent = [q for q in ready if q.urgent_age_s is not None]
@@ -164,7 +162,6 @@ def choose_queue(queues: list[QueueView], replicas: list[ReplicaView], *, max_ba
     decision = _affinity_choice(urgent, replicas, urgent_waiting, held, max_affinity_wait_s, switch_cost_s)
     if decision is not None:
         return decision
-    batch_replicas = [replace(r, busy=True) if r.replica_id in reserved else r for r in replicas]
     decision = _affinity_choice([q for q in ready if q.urgent_age_s is None], batch_replicas, waiting, held,
                                 max_affinity_wait_s, switch_cost_s)
     unheld_urgent = [q for q in urgent if q.signature not in held]
