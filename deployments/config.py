@@ -156,6 +156,9 @@ class BatchingConfig(_Strict):
     ``max_batch_size``: images per batch (a request counts ``n``). ``max_batch_cost``:
     optional cap on pixels × frames × n per batch. ``max_wait_ms``: how long the oldest
     request of a queue may wait for company. ``max_queued_requests``: beyond it, 429.
+    ``max_queued_batch_requests``: requests of ``priority: batch`` get 429 beyond this many
+    queued (of ``max_queued_requests``), so a batch backlog leaves interactive work room
+    (None: three quarters of ``max_queued_requests``, at least 1; :func:`queued_batch_limit`).
     ``affinity``: prefer replicas already in the batch's state (off: FIFO over queues and
     Serve's default power-of-two-choices router). ``affinity_switch_cost_ms``: a state
     change priced in waiting: a free replica leaves its own state's queue for another only
@@ -173,11 +176,19 @@ class BatchingConfig(_Strict):
     max_batch_cost: float | None = Field(default=None, gt=0)
     max_wait_ms: float = Field(default=10.0, ge=0)
     max_queued_requests: int = Field(default=256, ge=1)
+    max_queued_batch_requests: int | None = Field(default=None, ge=1)
     affinity: bool = True
     affinity_switch_cost_ms: float = Field(default=250.0, ge=0, le=600_000)
     max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     max_batch_priority_wait_ms: float = Field(default=30_000.0, ge=0)
+
+    @model_validator(mode="after")
+    def _batch_share(self):
+        if self.max_queued_batch_requests is not None and self.max_queued_batch_requests > self.max_queued_requests:
+            raise ValueError(f"max_queued_batch_requests ({self.max_queued_batch_requests}) must be <= "
+                             f"max_queued_requests ({self.max_queued_requests})")
+        return self
 
 
 class VideoJobsConfig(_Strict):
@@ -341,6 +352,16 @@ def admission_limit_of(max_queued_requests: int, max_batch_size: int, replicas: 
     """Requests an app holds at once: ``max_queued_requests`` waiting plus a full batch
     (``max_batch_size`` images) on each of ``replicas``."""
     return max_queued_requests + max_batch_size * replicas
+
+
+def queued_batch_limit(max_queued_requests: int, max_queued_batch_requests: int | None) -> int:
+    """Queued requests beyond which a ``priority: batch`` request is refused (429): the
+    configured ``max_queued_batch_requests``, else three quarters of ``max_queued_requests``
+    (at least 1), so a backlog of offline work leaves interactive requests a quarter of the
+    queue (load shedding lowest priority first)."""
+    if max_queued_batch_requests is not None:
+        return min(max_queued_batch_requests, max_queued_requests)
+    return max(1, max_queued_requests * 3 // 4)
 
 
 class ParallelSettings(_Strict):

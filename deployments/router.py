@@ -30,7 +30,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from deployments.config import BatchingConfig, admission_limit_of
+from deployments.config import BatchingConfig, admission_limit_of, queued_batch_limit
 from deployments.jobs import JobStore, VideoJobs
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for, replica_count
@@ -38,7 +38,7 @@ from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urge
 from pipeline.contract.videos import VideoJob
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
                              RequestTimeoutError, ServiceUnavailableError)
-from pipeline.modes import InputMode
+from pipeline.modes import InputMode, Priority
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, ModelFacts, RequestOutput
@@ -149,6 +149,7 @@ class Router:
         self._max_batch_size = int(batching["max_batch_size"])
         self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
         self._max_queued = int(batching["max_queued_requests"])
+        self._max_queued_batch = queued_batch_limit(self._max_queued, batching.get("max_queued_batch_requests"))
         self._max_batch_cost = batching.get("max_batch_cost")
         self._affinity = bool(batching.get("affinity", True))
         self._max_affinity_wait_s = float(batching.get("max_affinity_wait_ms", 2000)) / 1e3
@@ -198,15 +199,20 @@ class Router:
 
     def _admit(self, params: SamplingParams) -> None:
         """Raise ``OverloadedError`` when the queued and running requests reach the admission
-        limit (``max_queued_requests`` waiting beyond full batches), ``ServiceUnavailableError``
+        limit (``max_queued_requests`` waiting beyond full batches; for ``priority: batch``,
+        ``max_queued_batch_requests``: lowest priority shed first), ``ServiceUnavailableError``
         while no DiTReplica is left and Serve has given up starting one
         (:meth:`_answer_queued_if_unservable`), counting the rejection."""
         self._trimmer.busy()
         self._refuse_if_unservable(params.request_id)
         held = self._queued + sum(len(batch) for batch in self._running.values())
-        if held >= self._admission_limit():
+        shed = params.priority == Priority.BATCH  # its share of the queue is smaller
+        if held >= self._admission_limit() - (self._max_queued - self._max_queued_batch if shed else 0):
             self._reject("overloaded")
-            raise OverloadedError(f"{self._queued} requests are queued (max_queued_requests); retry later",
+            reason = (f"priority 'batch' requests are refused beyond max_queued_batch_requests "
+                      f"({self._max_queued_batch}), the rest is kept for 'interactive' ones" if shed
+                      else "max_queued_requests")
+            raise OverloadedError(f"{self._queued} requests are queued ({reason}); retry later",
                                   code="overloaded", request_id=params.request_id)
 
     def _start_loops(self) -> None:

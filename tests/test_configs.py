@@ -25,3 +25,24 @@ def test_config_validates(path):
 def test_misspelled_arg_is_caught():
     with pytest.raises(ValidationError, match="max_batch_sise"):
         AppConfig.model_validate({"batching": {"max_batch_sise": 4}})
+
+
+@pytest.mark.parametrize("max_queued_requests, max_queued_batch_requests, expected", [
+    (256, None, 192),  # default: three quarters of the queue for priority 'batch'
+    (2, None, 1),      # at least one
+    (1, None, 1),
+    (64, 10, 10),      # as configured
+    (64, 64, 64),      # no room kept for interactive work
+])
+def test_the_queue_share_of_batch_priority_work(max_queued_requests, max_queued_batch_requests, expected):
+    from deployments.config import BatchingConfig, queued_batch_limit
+
+    knobs = BatchingConfig(max_queued_requests=max_queued_requests, max_queued_batch_requests=max_queued_batch_requests)
+    assert queued_batch_limit(knobs.max_queued_requests, knobs.max_queued_batch_requests) == expected
+
+
+def test_batch_priority_work_cannot_have_more_of_the_queue_than_there_is():
+    with pytest.raises(ValidationError, match=r"max_queued_batch_requests \(65\) must be <= max_queued_requests \(64\)"):
+        AppConfig.model_validate({"batching": {"max_queued_requests": 64, "max_queued_batch_requests": 65}})
+    with pytest.raises(ValidationError, match="max_queued_batch_requests"):
+        AppConfig.model_validate({"batching": {"max_queued_batch_requests": 0}})

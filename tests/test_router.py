@@ -219,6 +219,35 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
     assert counters.get("rejected_overloaded", 0) == before.get("rejected_overloaded", 0)
 
 
+def test_a_batch_priority_backlog_leaves_interactive_work_room(deploy):
+    """Priority 'batch' requests may fill max_queued_batch_requests of the queue (by default
+    three quarters of max_queued_requests 2: 1), so their backlog does not refuse interactive
+    work: with the replica busy and a batch request queued, the next batch request is 429
+    naming the knob, an interactive one is still taken; beyond the whole queue both are 429."""
+    url = deploy(ONE_SMALL_QUEUE)
+    router = serve.get_deployment_handle("Router", "ditserve")
+    held = lambda: router.stats.remote().result()  # noqa: E731
+    before = held()["counters"]
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})]
+        wait_until(lambda: held()["inflight_batches"] == 1)
+        # held: 1 running + 4 queued = 5, the admission limit 6 less the place kept for interactive work
+        queued = [pool.submit(post, url, {"prompt": f"b{i}", "seed": i, "priority": "batch", **FAST})
+                  for i in range(4)]
+        wait_until(lambda: held()["queued"] == 4)
+        refused = post(url, {"prompt": "b4", "seed": 4, "priority": "batch", **FAST})
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        error = refused.json()["error"]
+        assert error["code"] == "overloaded" and "max_queued_batch_requests (1)" in error["message"]
+        queued.append(pool.submit(post, url, {"prompt": "i0", "seed": 5, **FAST}))  # interactive: room kept
+        wait_until(lambda: held()["queued"] == 5)
+        for priority in ("interactive", "batch"):  # the whole queue is full now
+            assert post(url, {"prompt": "late", "seed": 6, "priority": priority, **FAST}).status_code == 429
+        assert [f.result().status_code for f in [*running, *queued]] == [200] * 6
+    counters = held()["counters"]
+    assert counters.get("rejected_overloaded", 0) - before.get("rejected_overloaded", 0) >= 1  # the proxy's gate may refuse the last two
+
+
 def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     url = deploy(ONE_SMALL_QUEUE)  # at most one request queued at a time here
     before = stats(url)["counters"]
