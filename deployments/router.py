@@ -122,8 +122,10 @@ class Router:
         self._facts: ModelFacts | None = None
         self._batch_ids = itertools.count()
         self._counters = Tally()
-        self._metric_queue_depth = Gauge("ditserve_queue_depth", "Requests queued per batch signature",
-                                         tag_keys=("signature",))
+        # By priority, not by signature: a signature's label would be a new series for every
+        # float a client sends (guidance_scale, a LoRA scale), kept by Ray for good.
+        self._metric_queue_depth = Gauge("ditserve_queue_depth", "Requests queued, by priority",
+                                         tag_keys=("priority",))
         self._metric_batch_size = Histogram("ditserve_batch_size", "Images per dispatched batch",
                                             boundaries=[1, 2, 4, 8, 16, 32, 64])
         self._metric_queue_wait = Histogram("ditserve_queue_wait_ms", "Time a request waited in its queue (ms)",
@@ -244,7 +246,7 @@ class Router:
                            caller=caller, on_preview=on_preview)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
-        self._metric_queue_depth.set(len(self._queues[signature]), tags={"signature": signature.digest})
+        self._queue_changed()
         self._wakeup.set()
         return pending
 
@@ -477,6 +479,7 @@ class Router:
             p.requeues += 1
             self._queues.setdefault(p.signature, deque()).appendleft(p)
         self._queued += len(again)
+        self._queue_changed()
         if again:
             self._counters["requeued"] += len(again)
             logger.warning("batch %s was not run (%s); %d requests requeued", batch_id, type(cause).__name__,
@@ -489,8 +492,18 @@ class Router:
             return False
         queue.remove(pending)
         self._queued -= 1
-        self._metric_queue_depth.set(len(queue), tags={"signature": pending.signature.digest})
+        self._queue_changed(pending.signature)
         return True
+
+    def _queue_changed(self, signature: BatchSignature | None = None) -> None:
+        """Drop ``signature``'s queue once empty (queues are made per signature a request
+        brings: kept, they would grow with every distinct value of a float field) and report
+        the queue depth by priority."""
+        if signature is not None and not self._queues.get(signature, True):
+            del self._queues[signature]
+        depth = Tally(p.params.priority for q in self._queues.values() for p in q)
+        for priority in Priority:
+            self._metric_queue_depth.set(depth[priority], tags={"priority": str(priority)})
 
     def _reject(self, reason: str) -> None:
         self._counters[f"rejected_{reason}"] += 1
@@ -542,7 +555,7 @@ class Router:
         queue.clear()
         queue.extend(remaining)
         self._queued -= len(batch)
-        self._metric_queue_depth.set(len(queue), tags={"signature": signature.digest})
+        self._queue_changed(signature)
         return batch
 
     async def _schedule(self) -> None:
@@ -764,7 +777,7 @@ class Router:
             "router_replica": serve.get_replica_context().replica_id.unique_id,
             "max_batch_size": self._max_batch_size,
             "batching": self._batching,  # the knobs in force (args, or the last user_config update)
-            "queue_depth": {str(sig): len(q) for sig, q in self._queues.items() if q},
+            "queue_depth": {str(sig): len(q) for sig, q in self._queues.items()},  # none empty
             "queued": self._queued,
             "inflight_batches": self._inflight,
             "unstarted_batches": len(self._unstarted),  # dispatched, not yet begun by their replica

@@ -246,5 +246,7 @@ def test_ditserve_metrics_in_prometheus_export(ops_cluster, client_run):
     assert found == EXPORTED
     assert any(s.startswith("ray_ditserve_rejections_total{") and 'reason="timeout"' in s for s in samples)
     assert any(s.startswith("ray_ditserve_routing_decisions_total{") and 'decision="' in s for s in samples)
+    assert any(s.startswith("ray_ditserve_queue_depth{") and 'priority="interactive"' in s for s in samples)
+    assert not any(s.startswith("ray_ditserve_queue_depth{") and "signature=" in s for s in samples)  # unbounded
     assert any('application="ditserve"' in s for s in samples)
     assert any(n.startswith("ray_serve_") for n in names)  # Serve's own metrics come through the same export

@@ -75,6 +75,8 @@ def test_batches_are_signature_homogeneous_and_every_request_answered_once(deplo
     for body, m in zip(bodies, metas, strict=True):  # each answer is its own request's
         assert m["seed"] == body["seed"]
     assert stats(url)["counters"]["requests"] - base >= 24
+    # An emptied queue is dropped (kept, the Router would hold one per distinct float a client sent)
+    assert stats(url)["queue_depth"] == {}
 
 
 def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
