@@ -452,13 +452,22 @@ class AppConfig(_Strict):
         """The default kernel must run on the configured device, dtype and parallel layout, by
         the rules a request's override is checked with; whether its package is installed is
         checked where the replica starts (this file may be read on a node without GPU packages)."""
-        name = self.acceleration.attention_backend
-        if name is not None:
-            problems = default_kernel_rejections(name, device_type=self.model.device.split(":")[0],
-                                                 dtype=self.model.dtype, ring_degree=self.parallel.ring_degree,
-                                                 check_installed=False)
-            if problems:
-                raise ValueError(f"acceleration.attention_backend={name!r} cannot run with model.device="
-                                 f"{self.model.device!r}, model.dtype={self.model.dtype!r}, parallel.ring_degree="
-                                 f"{self.parallel.ring_degree}: " + "; ".join(problems))
+        problem = default_kernel_problem(self.acceleration.attention_backend, self.model.device, self.model.dtype,
+                                         self.parallel.ring_degree)
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+def default_kernel_problem(name: str | None, device: str, dtype: str, ring_degree: int) -> str | None:
+    """Why ``acceleration.attention_backend`` = ``name`` cannot be the default kernel on
+    ``model.device`` / ``model.dtype`` and ``parallel.ring_degree`` (None: it can; whether its
+    package is installed is checked where the replica starts)."""
+    if name is None:
+        return None
+    problems = default_kernel_rejections(name, device_type=device.split(":")[0], dtype=dtype,
+                                         ring_degree=ring_degree, check_installed=False)
+    if not problems:
+        return None
+    return (f"acceleration.attention_backend={name!r} cannot run with model.device={device!r}, model.dtype={dtype!r}, "
+            f"parallel.ring_degree={ring_degree}: " + "; ".join(problems))

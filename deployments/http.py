@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.proxy import BODY_SCOPE_KEY, admission_header
@@ -39,7 +40,9 @@ def _unwrap(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
-_ROUTER_GONE = (RayActorError, ActorUnavailableError, ObjectRefStreamEndOfStreamError)
+# The Router's actor gone, or (DeploymentUnavailableError) its deployment has no replica left,
+# as after a failed redeploy
+_ROUTER_GONE = (RayActorError, ActorUnavailableError, ObjectRefStreamEndOfStreamError, DeploymentUnavailableError)
 
 
 def as_ditserve_error(exc: BaseException) -> DitServeError:
@@ -51,8 +54,8 @@ def as_ditserve_error(exc: BaseException) -> DitServeError:
     if isinstance(cause, DitServeError):
         return cause
     if isinstance(cause, _ROUTER_GONE) or isinstance(exc, _ROUTER_GONE):
-        return ServiceUnavailableError("the router is unavailable (restarting or shutting down); retry shortly",
-                                       code="unavailable")
+        return ServiceUnavailableError("the router is unavailable (restarting, shutting down, or its deployment "
+                                       "failed: see `serve status`); retry shortly", code="unavailable")
     return InternalError(f"internal error ({type(cause).__name__})")
 
 

@@ -21,7 +21,8 @@ from ray import serve
 
 from compat import CompatError
 from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
-from deployments.config import admission_limit_of, lora_registry
+from deployments.config import AccelerationConfig, admission_limit_of, default_kernel_problem, lora_registry
+from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, request_body)
@@ -88,6 +89,7 @@ class Ingress:
         self._config = config
         self._limits: ServingLimits | None = None
         self._defaults = AccelerationDefaults()
+        self._live = LiveUpdates("Ingress")
         self._loras = lora_registry(config["model"].get("loras") or {})
         limits = config["limits"]
         self._max_json_bytes = min(limits["max_json_body_bytes"], limits["max_body_bytes"])
@@ -152,18 +154,38 @@ class Ingress:
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(), context=contextvars.Context())
         self._trimmer.busy()
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         """Serve's ``user_config`` hook: ``{"acceleration": {...}, "loras": {...}}`` (the
         acceleration request defaults and the LoRA adapter registry, ``model.loras``) apply to the
-        next request. A dict of acceleration fields alone is accepted too (the older form)."""
+        next request. A dict of acceleration fields alone is accepted too (the older form). Both
+        get the checks of the config file (``AccelerationConfig``, the default kernel on this
+        model's device, dtype and ring degree, ``lora_registry``); an update that fails them is
+        refused and the settings in force stay (``deployments.live_config``; at start it raises
+        ``ValueError``)."""
+        await self._live.apply(user_config, self._apply_user_config)
+
+    def _apply_user_config(self, user_config: dict) -> None:
         if "acceleration" not in user_config and "loras" not in user_config:
             user_config = {"acceleration": user_config}
+        defaults, loras = self._defaults, self._loras
         if "acceleration" in user_config:
-            self._defaults = AccelerationDefaults.from_config(user_config["acceleration"] or {})
-        if "loras" in user_config:  # the same checks as model.loras (a bad registry fails the update)
-            self._loras = lora_registry(user_config["loras"] or {})
-            if self._limits is not None:
-                self._limits = dataclasses.replace(self._limits, loras=self._loras)
+            acceleration = AccelerationConfig.model_validate(user_config["acceleration"] or {})
+            model, parallel = self._config["model"], self._config.get("parallel") or {}
+            problem = default_kernel_problem(acceleration.attention_backend, model["device"], model["dtype"],
+                                             int(parallel.get("ring_degree", 1)))
+            if problem:
+                raise ValueError(problem)
+            defaults = AccelerationDefaults.from_config(acceleration.model_dump())
+        if "loras" in user_config:
+            loras = lora_registry(user_config["loras"] or {})
+        self._defaults, self._loras = defaults, loras  # checked: both change, or neither
+        if self._limits is not None:
+            self._limits = dataclasses.replace(self._limits, loras=self._loras)
+
+    def check_health(self) -> None:
+        """Serve's health check (also run once the start's ``reconfigure`` is done): from then on
+        a bad ``user_config`` update is refused, not raised."""
+        self._live.started()
 
     async def _serving_limits(self) -> ServingLimits:
         if self._limits is None:
@@ -359,10 +381,12 @@ class Ingress:
         """``GET /v1/stats``: ``router`` (``Router.stats``: queues, batches in flight, replicas,
         counters) and ``ingress``, the answering Ingress replica's ``waiting``: requests it has
         handed to the Router and not yet answered (each Ingress replica counts its own), and the
-        ``admission_limit`` its answers name for the proxy's gate (requests; None: none named)."""
+        ``admission_limit`` its answers name for the proxy's gate (requests; None: none named);
+        in each, ``live_update_refused``: the last ``user_config`` update refused, if any."""
         return {"router": await self._router.stats.remote(),
                 "ingress": {"replica": self._caller, "waiting": self._waiting,
-                            "admission_limit": api.state.admission_limit}}
+                            "admission_limit": api.state.admission_limit,
+                            "live_update_refused": self._live.refused}}  # its last user_config update refused
 
     # -- HTTP routes --------------------------------------------------------------------
     @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
@@ -416,5 +440,12 @@ class Ingress:
 
     @api.get("/health")
     async def http_health(self):
+        """200 ``{"status": "ok"}`` while the app can take requests: its model's facts known and
+        its Router answering; else the 503 a request would get (a readiness probe's path; a
+        liveness probe should ask Serve's proxy, ``/-/healthz``)."""
         await self._serving_limits()
+        try:
+            await self._router.renew_lease.remote(self._caller)  # the cheapest Router call there is
+        except Exception as exc:  # noqa: BLE001 - its deployment failed, or its actor is gone
+            raise as_ditserve_error(exc) from None
         return {"status": "ok"}

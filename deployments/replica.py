@@ -16,12 +16,13 @@ from deployments.autoscaling import router_queue_stats
 from deployments.compute_thread import ComputeThread
 from deployments.faults import RANK_FAULT_ENV, batch_fault, parse_rank_fault, rank_fault, startup_fault
 from deployments.handles import router_handle
+from deployments.live_config import LiveUpdates
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
 from parallel.config import ParallelConfig
 from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.errors import BatchCancelled, ReplicaUnavailableError, dropped_rows
+from pipeline.errors import BatchCancelled, InvalidRequestError, ReplicaUnavailableError, dropped_rows
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
@@ -115,6 +116,8 @@ class DiTReplica:
         acceleration = acceleration or {}
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start
+        self._refused_loras: dict[tuple[str, str], str] = {}  # (name, path) -> why a live update refused it
+        self._live = LiveUpdates("DiTReplica")
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._parallel = ParallelConfig.of(parallel)
         self._max_steps = int((limits or {}).get("max_steps", 100))
@@ -146,25 +149,53 @@ class DiTReplica:
     async def reconfigure(self, user_config: dict) -> None:
         """Serve's ``user_config`` hook: ``{"loras": {...}}``, the adapter registry
         (``model.loras``). Adapters new to this replica are checked against the model now (after
-        the running batch, which may be changing the model's adapter layers), so a bad one fails
-        the config update, not a request. Raises ``ValueError`` naming it."""
+        the running batch, which may be changing the model's adapter layers), so a bad one is
+        refused by the config update, not found by a request: at start the update raises
+        ``ValueError`` naming it (the deploy fails); on a running replica the adapters that fit
+        are taken, the others refused (``deployments.live_config``: logged, in ``/v1/stats``), and
+        a batch naming one of those is refused with ``InvalidRequestError`` naming it."""
+        await self._live.apply(user_config, self._apply_loras)
+
+    async def _apply_loras(self, user_config: dict) -> None:
         from deployments.config import lora_registry
 
         loras = (user_config or {}).get("loras") or {}
+        registry = lora_registry(loras)  # malformed: refused whole, before anything changes
         known = lora_registry(self._loras)
-        new = [(n, e.path) for n, e in lora_registry(loras).items() if n not in known or known[n].path != e.path]
+        new = [(n, e.path) for n, e in registry.items() if n not in known or known[n].path != e.path]
+        refused = {}
         if new:
             async with self._lock:
                 for name, path in new:
-                    await self._compute.run(self._runner.lora.check, name, path)
-        self._loras = dict(loras)
+                    try:
+                        await self._compute.run(self._runner.lora.check, name, path)
+                    except ValueError as exc:
+                        refused[(name, path)] = str(exc)
+        if refused and not self._live.serving:
+            raise ValueError("; ".join(refused.values()))
+        self._loras = {name: v for name, v in loras.items() if (name, registry[name].path) not in refused}
+        self._refused_loras = refused
+        if refused:
+            raise ValueError("; ".join(refused.values()) + " (requests naming it are refused)")
+
+    def _refuse_refused_adapters(self, batch: Batch) -> None:
+        """Raise ``InvalidRequestError`` for a batch naming an adapter this replica refused at
+        its last registry update (the Ingress, which cannot load adapters, took the registry)."""
+        for spec in batch.requests[0].lora if batch.requests else ():
+            reason = self._refused_loras.get((spec.name, spec.path))
+            if reason is not None:
+                raise InvalidRequestError(f"LoRA adapter {spec.name!r} was refused when the adapter registry was "
+                                          f"updated: {reason}", code="adapter_refused")
 
     def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)
 
     async def check_health(self) -> None:
         """Fails (so Serve replaces the whole replica) if a batch broke the group or a rank is
-        dead; ranks answer from their control group, also in the middle of a long batch."""
+        dead; ranks answer from their control group, also in the middle of a long batch. The
+        first one (right after the start's ``reconfigure``) marks the replica as serving: a bad
+        ``user_config`` update is refused from then on (``deployments.live_config``)."""
+        self._live.started()
         if self._broken:
             raise RuntimeError(self._broken)
         if self._ranks is not None:
@@ -185,6 +216,7 @@ class DiTReplica:
                 self._lora_reported[key] = value
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
+                "live_update_refused": self._live.refused,
                 "parallel": dataclasses.asdict(self._parallel),
                 **self._runner.state_report(), **self._runner.counters()}
 
@@ -254,6 +286,7 @@ class DiTReplica:
         the next step boundary (on every rank) and the error is re-raised.
         """
         self._refuse_if_broken()
+        self._refuse_refused_adapters(batch)
         async with self._lock:
             self._refuse_if_broken()  # it may have broken while this batch waited for the lock
             digest = batch.signature.digest

@@ -32,6 +32,7 @@ from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from deployments.config import BatchingConfig, admission_limit_of, queued_batch_limit
 from deployments.jobs import JobStore, VideoJobs
+from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for, replica_count
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
@@ -122,6 +123,7 @@ class Router:
         self._facts: ModelFacts | None = None
         self._batch_ids = itertools.count()
         self._counters = Tally()
+        self._live = LiveUpdates("Router")
         # By priority, not by signature: a signature's label would be a new series for every
         # float a client sends (guidance_scale, a LoRA scale), kept by Ray for good.
         self._metric_queue_depth = Gauge("ditserve_queue_depth", "Requests queued, by priority",
@@ -141,10 +143,19 @@ class Router:
                                            "left: a stopped batch's steps, a dropped request's steps x n",
                                            tag_keys=("scope",))
 
-    def reconfigure(self, batching: dict) -> None:
-        """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed."""
-        self.reconfigure_batching(BatchingConfig.model_validate(batching).model_dump())
-        self._wakeup.set()
+    async def reconfigure(self, batching: dict) -> None:
+        """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed; knobs
+        that fail ``BatchingConfig`` are refused, those in force stay (``deployments.live_config``;
+        at start they raise ``ValidationError``)."""
+        def apply(knobs: dict) -> None:
+            self.reconfigure_batching(BatchingConfig.model_validate(knobs).model_dump())
+            self._wakeup.set()
+        await self._live.apply(batching, apply)
+
+    def check_health(self) -> None:
+        """Serve's health check (also run once the start's ``reconfigure`` is done): from then on
+        a bad ``user_config`` update is refused, not raised."""
+        self._live.started()
 
     def reconfigure_batching(self, batching: dict) -> None:
         self._batching = dict(batching)  # as /v1/stats shows it
@@ -783,6 +794,7 @@ class Router:
             "unstarted_batches": len(self._unstarted),  # dispatched, not yet begun by their replica
             "replicas": chooser.replica_stats() if chooser is not None else {},
             "counters": dict(self._counters),
+            "live_update_refused": self._live.refused,  # the last user_config update refused, if any
         }
 
     def queue_depth(self) -> dict[str, int]:

@@ -124,7 +124,9 @@ def manifest(config_file: str) -> dict:
         head["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
     head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 10,
                               "failureThreshold": 6}
-    head["livenessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "initialDelaySeconds": 120,
+    # Liveness asks Serve's proxy, not the app: an app that cannot serve (a failed redeploy)
+    # is taken out of the Service by readiness; restarting the head would not mend it.
+    head["livenessProbe"] = {"httpGet": {"path": "/-/healthz", "port": 8000}, "initialDelaySeconds": 120,
                              "periodSeconds": 30, "failureThreshold": 5}
     # A GPU pod holds whole replicas: at least their bundles' CPUs, and 32 GiB of memory per GPU.
     worker_cpus = str(max(32, cpus_per_replica(args) * gpus // max(gpus_per_replica(args), 1))) if gpus else "4"

@@ -135,7 +135,7 @@ def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None) -> Non
     wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
 
 
-def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args):
+def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args, tmp_path):
     args = {**lora_args, "model": {**lora_args["model"], "loras": {"magenta": {}}}}
     serve.delete("ditserve")
     try:
@@ -148,5 +148,40 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         response = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "late"}]})
         assert response.status_code == 200, response.text
         assert set(stats(url)["replicas"]) == before  # the same replicas: nothing restarted
+
+        # Updates a running replica cannot apply are refused, the settings in force kept: they
+        # stopped the replica (Serve: DEPLOY_FAILED, none left) and every request failed
+        bad_file = tmp_path / "bad.safetensors"
+        bad_file.write_text("not an adapter")
+        bad = {**loras, "bad": {"path": str(bad_file)}}
+        _deploy_file(args, {"DiTReplica": {"loras": bad},
+                            "Ingress": {"acceleration": {"cfg_gate_step": 7, "attention_backend": "nonsense"},
+                                        "loras": bad},  # refused whole: its registry stays too
+                            "Router": {**args.get("batching", {}), "max_batch_size": 0}})
+        app = lambda: serve.get_app_handle("ditserve").stats.remote().result()  # noqa: E731
+        wait_until(lambda: app()["ingress"]["live_update_refused"] is not None and
+                   app()["router"]["live_update_refused"] is not None and
+                   any(r.get("live_update_refused") for r in stats(url)["replicas"].values()), timeout=60)
+        assert "cfg_gate_step" in app()["ingress"]["live_update_refused"]["error"]
+        assert "max_batch_size" in app()["router"]["live_update_refused"]["error"]
+        assert "model.loras.bad" in next(r["live_update_refused"]["error"] for r in stats(url)["replicas"].values())
+        assert serve.status().applications["ditserve"].status == "RUNNING"
+        assert set(stats(url)["replicas"]) == before
+        plain = post(url, {"prompt": "a red circle", "seed": 1, **FAST})  # the defaults in force: no override
+        assert plain.status_code == 200 and "cfg_gate_step=1.0" in plain.json()["ditserve"]["signature"]
+        assert stats(url)["max_batch_size"] == args.get("batching", {}).get("max_batch_size", 8)
+        assert post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "late"}]}).status_code == 200
+        assert post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]}).status_code == 404
+        # the Ingress (which cannot load adapters) takes the registry, the DiTReplica refused "bad"
+        _deploy_file(args, {"DiTReplica": {"loras": bad}, "Ingress": {"acceleration": {}, "loras": bad}})
+        wait_until(lambda: app()["ingress"]["live_update_refused"] is None, timeout=60)
+        refused = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "adapter_refused" and "'bad'" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        _deploy_file(args, {"DiTReplica": {"loras": loras}, "Ingress": {"acceleration": {}, "loras": loras}})
+        wait_until(lambda: not any(r.get("live_update_refused") for r in stats(url)["replicas"].values()),
+                   timeout=60)  # a good update applies
+        wait_until(lambda: app()["router"]["live_update_refused"] is None, timeout=60)  # args' knobs again
     finally:
         serve.delete("ditserve")  # the next module deploys afresh
