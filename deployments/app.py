@@ -99,9 +99,25 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     """Validate ``args`` (see ``deployments.config.AppConfig``) and bind the three deployments:
     Ingress → Router → DiTReplica. ``DITSERVE_*`` environment variables override the
     acceleration defaults (see ``AccelerationConfig``). Raises ``pydantic.ValidationError``
-    on a bad config."""
+    on a bad config. (Serve's application builder: exactly one parameter.)"""
+    return bind_app(args)
+
+
+def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | None = None) -> Application:
+    """:func:`build_app` with ``deployments``: a Serve config file's ``deployments`` entries
+    (``{"name": ..., option: value}``, Serve's ``DeploymentSchema``), each option replacing the
+    one built here, as Serve applies them to an ``import_path`` app (for ``ditserve serve
+    --config``, which deploys in-process). Raises ``pydantic.ValidationError`` on a bad config,
+    ``ValueError`` for an entry naming no deployment of the app."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
     options = deployment_options(config)
+    for entry in deployments or ():
+        entry = dict(entry)
+        name = entry.pop("name")
+        if name not in options:
+            raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
+                             f"{', '.join(sorted(options))}")
+        options[name] = {**options[name], **entry}
     acceleration = config.acceleration.model_dump()
     if not (acceleration["torch_compile"] or acceleration["warmup"]):
         # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.

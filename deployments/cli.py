@@ -32,14 +32,15 @@ DEMO_PROMPT = "a red circle on a blue background"
 
 def load_serve_config(path: str | Path) -> dict:
     """Read a Serve config file, validate it with Ray Serve's own ``ServeDeploySchema`` and
-    return the ``ditserve`` application's entry (``args``, ``route_prefix``) and
-    ``http_options``. Raises ``ValueError`` if the file has no ditserve application."""
+    return the ``ditserve`` application's entry (``args``, ``route_prefix``, ``deployments``: its
+    ``deployments`` section's entries, as given) and ``http_options``. Raises ``ValueError`` if the file has no ditserve application."""
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(Path(path).read_text()))
     for app in schema.applications:
         if app.import_path == "deployments.app:build_app":
             return {"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
+                    "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
                     "http_options": schema.http_options.model_dump()}
     raise ValueError(f"{path}: no application with import_path deployments.app:build_app")
 
@@ -124,8 +125,10 @@ def _port_free(host: str, port: int) -> None:
 
 
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
-              num_cpus: int | None = None, address: str | None = "local") -> Served:
-    """Deploy the app (``build_app(args)``) as application ``name`` at ``route_prefix``.
+              num_cpus: int | None = None, address: str | None = "local",
+              deployments: list[dict] | None = None) -> Served:
+    """Deploy the app (``bind_app(args, deployments)``: ``deployments``, a config file's
+    per-deployment options) as application ``name`` at ``route_prefix``.
 
     ``address`` is ``ray.init``'s: ``"local"`` (default) starts a new local cluster with
     ``num_cpus`` CPUs, whatever else runs on this machine; ``"auto"`` or ``HOST:PORT`` joins that
@@ -140,7 +143,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     from ray.serve.exceptions import RayServeException
 
     from compat.ray_serve import http_options, serve_running
-    from deployments.app import build_app
+    from deployments.app import bind_app
 
     joined = ray.is_initialized() or address != "local"
     if not ray.is_initialized():
@@ -168,7 +171,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         listening = http_options()  # the running Serve's, when it ran before with others
         served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve)
         try:
-            serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+            serve.run(bind_app(args, deployments), name=name, route_prefix=route_prefix, blocking=False)
         except (RayServeException, ValueError) as exc:  # a route prefix in use, ...
             said = _first_line(exc)
             raise CannotStart(f"Serve refused application {name!r}: {said}") from None
@@ -424,7 +427,7 @@ def _cmd_serve(ns) -> int:
     address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
     try:
         served = start_app(config["args"], host=host, port=port, name=config["name"],
-                           route_prefix=config["route_prefix"], address=address)
+                           route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"))
     except CannotStart as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -344,7 +344,9 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     assert "an application named 'ditserve' already runs" in said
     assert serve.status().applications["ditserve"].status == "RUNNING"
     config = {"applications": [{"name": "cli-joined", "route_prefix": "/joined", "import_path": "deployments.app:build_app",
-                                "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}}}]}
+                                "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}},
+                                # the file's deployments section applies as with `serve deploy` (it was dropped)
+                                "deployments": [{"name": "Router", "user_config": {"max_batch_size": 3}}]}]}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     unused = free_port("127.0.0.1")
     server = _Serving("--address", ray_cluster["gcs_address"], "--config", str(tmp_path / "serve.yaml"),
@@ -355,6 +357,7 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
         assert "joined the Ray cluster" in said and f":{unused} is not used" in said, said
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
         assert serve.status().applications["cli-joined"].status == "RUNNING"
+        assert httpx.get(f"{server.url}/v1/stats", timeout=60).json()["router"]["batching"]["max_batch_size"] == 3
     finally:
         assert server.stop() == 0, "".join(server.lines)[-4000:]
     assert "cli-joined" not in serve.status().applications

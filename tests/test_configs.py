@@ -46,3 +46,10 @@ def test_batch_priority_work_cannot_have_more_of_the_queue_than_there_is():
         AppConfig.model_validate({"batching": {"max_queued_requests": 64, "max_queued_batch_requests": 65}})
     with pytest.raises(ValidationError, match="max_queued_batch_requests"):
         AppConfig.model_validate({"batching": {"max_queued_batch_requests": 0}})
+
+
+def test_a_deployments_entry_must_name_a_deployment_of_the_app():
+    from deployments.app import bind_app
+
+    with pytest.raises(ValueError, match="no deployment named 'Routr'.*DiTReplica, Ingress, Router"):
+        bind_app({}, [{"name": "Routr", "user_config": {"max_batch_size": 3}}])
