@@ -43,6 +43,17 @@ def test_request_names_registered_adapters_with_scales():
     assert "lora=magenta:0.8 lora=outline:0.5" in str(BatchSignature.of(p))
 
 
+def test_an_adapter_at_scale_zero_is_left_out():
+    """Scale 0 (or -0.0) is the base model (test_scale_zero_is_the_base_model_and_adapters_change_it):
+    left out, such requests share the base model's signature (they had made two of their own)."""
+    base = BatchSignature.of(resolve(_validate({}), LIMITS))
+    for scale in (0, 0.0, -0.0):
+        p = resolve(_validate({"lora": [{"name": "magenta", "scale": scale}]}), LIMITS)
+        assert p.lora == () and BatchSignature.of(p) == base
+    kept = resolve(_validate({"lora": [{"name": "magenta", "scale": -0.0}, {"name": "outline"}]}), LIMITS)
+    assert kept.lora == (LoraSpec("outline", 0.5, OUTLINE),)
+
+
 def test_model_names_an_adapter():
     p = resolve(_validate({"model": "tiny-flux:magenta"}), LIMITS)
     assert p.lora == (LoraSpec("magenta", 1.0, MAGENTA),) and p.model == "tiny-flux"

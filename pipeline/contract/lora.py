@@ -106,11 +106,14 @@ def adapter_model_id(base: str, name: str) -> str:
 def resolve_loras(requested: list[LoraRequest] | None, model_adapter: str | None,
                   registry: dict[str, LoraEntry]) -> tuple[LoraSpec, ...]:
     """The request's adapter set, sorted by name: ``model_adapter`` (at its default scale)
-    and every ``lora`` entry. Names are checked against ``registry`` by the caller."""
+    and every ``lora`` entry. Names are checked against ``registry`` by the caller. An adapter
+    at scale 0 is left out: its delta times 0 adds exact zeros, so the request is the base
+    model's and batches with it (``-0.0`` and ``0`` had made two signatures, and the adapter
+    was loaded for nothing)."""
     specs = [LoraSpec(model_adapter, registry[model_adapter].default_scale, registry[model_adapter].path)] \
         if model_adapter is not None else []
     for item in requested or ():
         entry = registry[item.name]
         specs.append(LoraSpec(item.name, entry.default_scale if item.scale is None else float(item.scale),
                               entry.path))
-    return tuple(sorted(specs, key=lambda s: s.name))
+    return tuple(sorted((s for s in specs if s.scale != 0), key=lambda s: s.name))
