@@ -219,13 +219,16 @@ class Router:
         self._trimmer.busy()
         self._refuse_if_unservable(params.request_id)
         held = self._queued + sum(len(batch) for batch in self._running.values())
-        shed = params.priority == Priority.BATCH  # its share of the queue is smaller
-        if held >= self._admission_limit() - (self._max_queued - self._max_queued_batch if shed else 0):
+        limit = self._admission_limit()
+        shed = params.priority == Priority.BATCH  # lowest priority first: its share of the queue is smaller
+        queued_limit = self._max_queued_batch if shed else self._max_queued
+        if held >= limit - self._max_queued + queued_limit:
             self._reject("overloaded")
-            reason = (f"priority 'batch' requests are refused beyond max_queued_batch_requests "
-                      f"({self._max_queued_batch}), the rest is kept for 'interactive' ones" if shed
-                      else "max_queued_requests")
-            raise OverloadedError(f"{self._queued} requests are queued ({reason}); retry later",
+            knob = (f"for priority 'batch', max_queued_batch_requests {queued_limit} (the rest of "
+                    f"max_queued_requests {self._max_queued} is kept for 'interactive' ones)" if shed
+                    else f"max_queued_requests {queued_limit}")
+            raise OverloadedError(f"{held} requests are held, queued or running: the admission limit is {knob} "
+                                  f"plus a full batch per replica ({limit - self._max_queued}); retry later",
                                   code="overloaded", request_id=params.request_id)
 
     def _start_loops(self) -> None:
