@@ -36,6 +36,7 @@ from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, res
 from pipeline.wire import GenerationMetadata
 
 LEASE_RENEW_S = 1.0  # see Router.renew_lease
+HEALTH_ROUTER_TIMEOUT_S = 5.0  # GET /health: how long the Router may take to answer (s)
 # Ingress slots beyond the app's admission limit (deployments.app sizes max_ongoing_requests with
 # them). Requests over the limit that the proxy's gate lets through (its limit unconfirmed after
 # an idle spell: a redeploy may have changed it) reach the Router, which refuses them at once with
@@ -444,8 +445,11 @@ class Ingress:
         its Router answering; else the 503 a request would get (a readiness probe's path; a
         liveness probe should ask Serve's proxy, ``/-/healthz``)."""
         await self._serving_limits()
-        try:
-            await self._router.renew_lease.remote(self._caller)  # the cheapest Router call there is
+        try:  # the cheapest Router call there is; a handle waits while no Router replica runs
+            await asyncio.wait_for(self._router.renew_lease.remote(self._caller), HEALTH_ROUTER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(f"the router did not answer within {HEALTH_ROUTER_TIMEOUT_S:g} s",
+                                          code="unavailable") from None
         except Exception as exc:  # noqa: BLE001 - its deployment failed, or its actor is gone
             raise as_ditserve_error(exc) from None
         return {"status": "ok"}
