@@ -22,6 +22,8 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.proxy import BODY_SCOPE_KEY, admission_header
+from pipeline.contract.base import MAX_ERRORS_LISTED
+from pipeline.contract.text import shown
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
                              PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
 
@@ -252,6 +254,28 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
         else:
             node[parts[-1]] = value
     return body
+
+
+# -- query strings ----------------------------------------------------------------------------
+def query_params(request: Request, accepted: tuple[str, ...]) -> dict[str, str]:
+    """The query string's parameters, each given once and each one of ``accepted`` (as a body's
+    unknown field is refused, so is an unknown parameter: a misspelt ``limt`` would otherwise
+    be ignored without a word). Raises ``InvalidRequestError`` (400) naming every bad one."""
+    params: dict[str, str] = {}
+    problems: list[tuple[str, str]] = []
+    for key, value in request.query_params.multi_items():
+        if key not in accepted:
+            problems.append((key, f"unknown query parameter {shown(key)}"))
+        elif key in params:
+            problems.append((key, f"query parameter {key} given more than once"))
+        params[key] = value
+    if problems:
+        message = "; ".join(m for _, m in problems[:MAX_ERRORS_LISTED])
+        if len(problems) > MAX_ERRORS_LISTED:
+            message += f"; and {len(problems) - MAX_ERRORS_LISTED} more problems"
+        raise InvalidRequestError(f"{message} (accepted: {', '.join(accepted) or 'none'})",
+                                  param=problems[0][0][:40], code="invalid_value")
+    return params
 
 
 # -- authentication ---------------------------------------------------------------------------

@@ -25,12 +25,13 @@ from deployments.config import AccelerationConfig, admission_limit_of, default_k
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
-                              json_or_form_body, key_default_priority, load_api_keys, request_body)
+                              json_or_form_body, key_default_priority, load_api_keys, query_params, request_body)
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import adapter_model_id
-from pipeline.contract.videos import VideoGenerationRequest, VideoJob, validate_video_request
+from pipeline.contract.videos import (LIST_PARAMS, ListOrder, VideoGenerationRequest, VideoJob, VideoList,
+                                      validate_list_params, validate_video_request)
 from pipeline.errors import InternalError, InvalidRequestError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.wire import GenerationMetadata
@@ -81,8 +82,8 @@ install_error_handlers(api)
 @serve.ingress(api)
 class Ingress:
     """HTTP routes and the handle API (``generate``, ``generate_stream``, ``edit``,
-    ``edit_stream``; ``submit_video``, ``video_status``, ``video_content``, ``delete_video``;
-    ``models``, ``stats``) of one application."""
+    ``edit_stream``; ``submit_video``, ``list_videos``, ``video_status``, ``video_content``,
+    ``delete_video``; ``models``, ``stats``) of one application."""
 
     def __init__(self, router, config: dict):
         os.nice(config.get("routing_nice", 0))  # below the proxy, which answers refusals (replica.routing_nice)
@@ -343,6 +344,15 @@ class Ingress:
         self._started()
         return await self._call(self._router.create_job, params)
 
+    async def list_videos(self, limit: int | None = None, after: str | None = None,
+                          order: ListOrder | str | None = None) -> VideoList:
+        """A page of the jobs kept (same contract as ``GET /v1/videos``, OpenAI's cursor page):
+        at most ``limit`` (0–100, default 20) by ``created_at`` in ``order`` (``desc``, the
+        default, or ``asc``), from the one after job ``after`` (the previous page's ``last_id``).
+        Raises ``InvalidRequestError`` naming the bad parameter (``after``: no job kept)."""
+        count, order = validate_list_params(limit, order)
+        return await self._call(self._router.list_jobs, count, after, order)
+
     async def video_status(self, video_id: str) -> VideoJob:
         """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404)."""
         return await self._call(self._router.get_job, video_id)
@@ -407,16 +417,18 @@ class Ingress:
         return (await self.submit_video(key_default_priority(body, request))).model_dump()
 
     @api.get("/v1/videos")
-    async def http_list_videos(self):
-        return {"object": "list", "data": [job.model_dump() for job in await self._call(self._router.list_jobs)],
-                "has_more": False}
+    async def http_list_videos(self, request: Request, after: str | None = None, limit: str | None = None,
+                               order: str | None = None):  # declared for /openapi.json; checked by list_videos
+        query_params(request, LIST_PARAMS)  # refuses unknown and repeated ones
+        return (await self.list_videos(limit, after, order)).model_dump()
 
     @api.get("/v1/videos/{video_id}")
     async def http_video(self, video_id: str):
         return (await self.video_status(video_id)).model_dump()
 
     @api.get("/v1/videos/{video_id}/content")
-    async def http_video_content(self, video_id: str, variant: str = "video"):
+    async def http_video_content(self, video_id: str, request: Request, variant: str = "video"):
+        query_params(request, ("variant",))
         content = await self.video_content(video_id, variant)
         return Response(content, media_type=VIDEO_VARIANTS[variant])
 

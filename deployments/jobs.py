@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from pipeline.contract.videos import JobStatus, VideoJob, VideoJobMetadata
+from pipeline.contract.text import shown
+from pipeline.contract.videos import JobStatus, ListOrder, VideoJob, VideoJobMetadata, VideoList
 from pipeline.errors import DitServeError, InvalidRequestError, NotFoundError
 from pipeline.sampling import SamplingParams
 from pipeline.wire import GenerationMetadata, RequestOutput
@@ -89,10 +90,12 @@ class JobStore:
                                 param="video_id", code="video_not_found")
         return self._jobs[job_id]
 
-    def all(self) -> list[Job]:
-        """Every job kept, newest first."""
+    def all(self, order: ListOrder = ListOrder.DESC) -> list[Job]:
+        """Every job kept by ``created_at`` (then id, so that pages never overlap), newest first
+        (``desc``) or oldest first (``asc``)."""
         self.evict()
-        return sorted(self._jobs.values(), key=lambda j: j.created_at, reverse=True)
+        return sorted(self._jobs.values(), key=lambda j: (j.created_at, j.params.request_id),
+                      reverse=order == ListOrder.DESC)
 
     def pop(self, job_id: str) -> Job:
         job = self.get(job_id)
@@ -137,9 +140,23 @@ class VideoJobs:
         except Exception as exc:  # never leave a job in_progress
             job.finish(JobStatus.FAILED, {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"})
 
-    def list(self) -> list[VideoJob]:
-        """Every job kept (queued, running and finished within retention), newest first."""
-        return [job.view() for job in self.store.all()]
+    def list(self, limit: int, after: str | None = None, order: ListOrder = ListOrder.DESC) -> VideoList:
+        """One page of the jobs kept (queued, running and finished within retention) in ``order``
+        of ``created_at``: at most ``limit`` of them, from the one after the job ``after`` (the
+        previous page's ``last_id``). Raises ``InvalidRequestError`` (400) when ``after`` is no
+        job kept (unknown, deleted or evicted since)."""
+        jobs = self.store.all(order)
+        start = 0
+        if after is not None:
+            ids = [job.params.request_id for job in jobs]
+            if after not in ids:
+                raise InvalidRequestError(f"after must be the id of a video job kept (a page's last_id); no job "
+                                          f"{shown(after)} (unknown, deleted, or expired after its retention): list "
+                                          "again without after", param="after", code="invalid_value")
+            start = ids.index(after) + 1
+        page = [job.view() for job in jobs[start:start + limit]]
+        return VideoList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                         has_more=start + limit < len(jobs))
 
     def get(self, job_id: str) -> VideoJob:
         """The job's object. Raises ``NotFoundError`` (404) for an unknown or evicted id."""

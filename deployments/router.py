@@ -36,7 +36,7 @@ from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import chooser_for, replica_count
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
-from pipeline.contract.videos import VideoJob
+from pipeline.contract.videos import ListOrder, VideoJob, VideoList
 from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
                              RequestTimeoutError, ServiceUnavailableError)
 from pipeline.modes import InputMode, Priority
@@ -772,8 +772,9 @@ class Router:
         pending = self._enqueue(params, on_progress=job.on_progress, on_preview=job.on_preview)
         return self._jobs.track(job, pending)
 
-    def list_jobs(self) -> list[VideoJob]:
-        return self._jobs.list()
+    def list_jobs(self, limit: int, after: str | None, order: ListOrder) -> VideoList:
+        """A page of the jobs (``VideoJobs.list``; the Ingress checked ``limit`` and ``order``)."""
+        return self._jobs.list(limit, after, order)
 
     def get_job(self, job_id: str) -> VideoJob:
         return self._jobs.get(job_id)

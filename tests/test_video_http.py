@@ -13,10 +13,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from deployments.jobs import JobStatus, JobStore
+from deployments.jobs import JobStatus, JobStore, VideoJobs
 from deployments.faults import FAULT_ENV
 from pipeline.media import decode_mp4
-from pipeline.errors import NotFoundError
+from pipeline.errors import InvalidRequestError, NotFoundError
 from pipeline.modes import GuidanceMode
 from pipeline.sampling import SamplingParams
 
@@ -198,6 +198,64 @@ def test_job_store_evicts_by_age_and_count():
     assert store.get("video_2").view().expires_at == 112
     with pytest.raises(NotFoundError):
         store.get("video_1")
+
+
+def test_job_pages_follow_openai_cursor_pagination():
+    """``after`` is the previous page's ``last_id``; equal ``created_at`` ties break by id, so
+    pages never overlap or skip a job in either order."""
+    store = JobStore()
+    for i in range(5):
+        store.add(_params(i)).created_at = 100.0 + i // 2  # 100, 100, 101, 101, 102
+    jobs = VideoJobs(store, wait=None)
+    for order, expected in (("desc", [4, 3, 2, 1, 0]), ("asc", [0, 1, 2, 3, 4])):
+        page, seen = jobs.list(2, None, order), []
+        while True:
+            seen += [j.id for j in page.data]
+            assert (page.first_id, page.last_id) == (page.data[0].id, page.data[-1].id)
+            if not page.has_more:
+                break
+            page = jobs.list(2, page.last_id, order)
+        assert seen == [f"video_{i}" for i in expected], order
+    assert jobs.list(5, None, "desc").has_more is False and jobs.list(4, None, "desc").has_more is True
+    empty = jobs.list(0, None, "desc")
+    assert empty.data == [] and empty.first_id is None and empty.last_id is None and empty.has_more
+    assert jobs.list(3, "video_0", "desc").model_dump()["data"] == []
+    with pytest.raises(InvalidRequestError) as refused:
+        jobs.list(2, "video_" + "9" * 5000, "desc")
+    assert refused.value.param == "after" and len(str(refused.value)) < 300 and "5008 characters" in str(refused.value)
+
+
+def test_list_pages_through_the_openai_client_and_refuses_bad_parameters(url):
+    from openai import BadRequestError, OpenAI
+    from ray import serve
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    created = [httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 1,
+                                                    "size": "32x32"}, timeout=30).json()["id"] for _ in range(5)]
+    try:
+        everything = httpx.get(f"{url}/v1/videos", params={"limit": 100}, timeout=30).json()
+        newest_first = [j["id"] for j in everything["data"]]
+        assert newest_first[:5] == created[::-1] and not everything["has_more"]
+        first = client.videos.list(limit=2)
+        assert [j.id for j in first.data] == [created[4], created[3]] and first.has_more and first.last_id == created[3]
+        assert [j.id for j in client.videos.list(limit=2)] == newest_first  # the SDK's auto-pagination
+        assert [j.id for j in client.videos.list(limit=3, order="asc")] == newest_first[::-1]
+        assert len(httpx.get(f"{url}/v1/videos", timeout=30).json()["data"]) == min(20, len(newest_first))
+        page = serve.get_app_handle("ditserve").list_videos.remote(limit=1, after=created[4]).result()
+        assert [j.id for j in page.data] == [created[3]] and page.has_more
+
+        for params, param in [({"limit": -1}, "limit"), ({"limit": 101}, "limit"), ({"limit": "2.0"}, "limit"),
+                              ({"order": "newest"}, "order"), ({"after": "video_nope"}, "after"),
+                              ({"limt": 2}, "limt"), ({"limit": [1, 2]}, "limit")]:
+            refused = httpx.get(f"{url}/v1/videos", params=params, timeout=30)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (params, refused.text)
+        message = httpx.get(f"{url}/v1/videos", params={"limit": "x", "order": "up"}).json()["error"]["message"]
+        assert "limit must be an integer from 0 to 100" in message and "order must be one of asc, desc" in message
+        with pytest.raises(BadRequestError, match="from 0 to 100"):
+            client.videos.list(limit=-1)
+    finally:
+        for video_id in created:
+            poll(url, video_id)  # nothing of this test left in flight for the next
 
 
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):

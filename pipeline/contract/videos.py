@@ -1,9 +1,11 @@
-"""OpenAI's ``POST /v1/videos`` jobs: the request (plus ditserve's extensions) and the job object."""
+"""OpenAI's ``POST /v1/videos`` jobs: the request (plus ditserve's extensions), the job object, and
+``GET /v1/videos``'s page of jobs with its query parameters."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
@@ -175,3 +177,49 @@ class VideoJob(BaseModel):
     seconds: str
     error: dict[str, Any] | None = None
     ditserve: VideoJobMetadata
+
+
+class ListOrder(StrEnum):
+    """``GET /v1/videos``'s ``order``: by ``created_at``, oldest (``asc``) or newest (``desc``) first."""
+
+    ASC = "asc"
+    DESC = "desc"
+
+
+LIST_LIMIT_DEFAULT = 20  # OpenAI's list endpoints' default page
+LIST_LIMIT_MAX = 100  # OpenAI's documented maximum for videos.list (its minimum is 0)
+LIST_PARAMS = ("after", "limit", "order")  # GET /v1/videos's query parameters (OpenAI's)
+
+
+def validate_list_params(limit: int | str | None = None,
+                         order: ListOrder | str | None = None) -> tuple[int, ListOrder]:
+    """``GET /v1/videos``'s ``limit`` (an int, or a query string's decimal digits; 0 to
+    :data:`LIST_LIMIT_MAX`, default :data:`LIST_LIMIT_DEFAULT`) and ``order`` (``asc`` | ``desc``,
+    default ``desc``) as ``(limit, order)``. ``after`` is checked where the jobs are (the Router).
+    Raises ``InvalidRequestError`` (400) naming every bad one, ``param`` the first."""
+    problems = []
+    if limit is None:
+        count = LIST_LIMIT_DEFAULT
+    elif isinstance(limit, str):
+        count = int(limit) if re.fullmatch(r"-?[0-9]{1,9}", limit) else None
+    else:
+        count = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    if count is None or not 0 <= count <= LIST_LIMIT_MAX:
+        problems.append(("limit", f"limit must be an integer from 0 to {LIST_LIMIT_MAX}, got {shown(limit)}"))
+    if order is not None and order not in tuple(ListOrder):
+        problems.append(("order", f"order must be one of {', '.join(ListOrder)} (by created_at), got {shown(order)}"))
+    if problems:
+        raise InvalidRequestError("; ".join(m for _, m in problems), param=problems[0][0], code="invalid_value")
+    return count, ListOrder(order or ListOrder.DESC)
+
+
+class VideoList(BaseModel):
+    """A page of ``GET /v1/videos`` (OpenAI's cursor page): ``data`` in the requested order,
+    ``first_id`` / ``last_id`` its first and last job's id (None on an empty page; the next page
+    is ``after=last_id``, as OpenAI's SDK pages), ``has_more`` whether jobs follow it."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
