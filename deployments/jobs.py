@@ -86,7 +86,7 @@ class JobStore:
         """The job. Raises ``NotFoundError`` (404) for an unknown, deleted or evicted id."""
         self.evict()
         if job_id not in self._jobs:
-            raise NotFoundError(f"no video job {job_id!r} (unknown, deleted, or expired after its retention)",
+            raise NotFoundError(f"no video job {shown(job_id)} (unknown, deleted, or expired after its retention)",
                                 param="video_id", code="video_not_found")
         return self._jobs[job_id]
 

@@ -258,6 +258,17 @@ def test_list_pages_through_the_openai_client_and_refuses_bad_parameters(url):
             poll(url, video_id)  # nothing of this test left in flight for the next
 
 
+def test_a_long_video_id_is_cut_in_every_message_that_echoes_it(url):
+    long_id = "video_" + "x" * 5000
+    for method, path in [("GET", ""), ("GET", "/content"), ("GET", "/content?variant=thumbnail"), ("DELETE", "")]:
+        answer = httpx.request(method, f"{url}/v1/videos/{long_id}{path}", timeout=30)
+        error = answer.json()["error"]
+        assert answer.status_code == 404 and error["code"] == "video_not_found", (method, path)
+        assert len(error["message"]) < 300 and "(5008 characters)" in error["message"], error["message"]
+    refused = httpx.get(f"{url}/v1/videos/video_nope/content", params={"variant": "video", "x" * 5000: "1"})
+    assert refused.status_code == 400 and len(refused.json()["error"]["message"]) < 300
+
+
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
     job = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 17, "num_inference_steps": 100,
                                                "timeout_s": 3.0}, timeout=30).json()
