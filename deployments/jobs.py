@@ -175,6 +175,9 @@ class VideoJobs:
                 raise InvalidRequestError(f"video {job_id} is {job.status} and no preview of it was decoded yet; "
                                           "retry shortly (its thumbnail is its latest preview while it runs)",
                                           param="video_id", code="video_not_ready")
+            if job.status == JobStatus.FAILED:  # never will it have content: not "not ready", which says wait
+                raise InvalidRequestError(f"video {job_id} failed and has no content (GET /v1/videos/{job_id} says "
+                                          "why); create it again", param="video_id", code="video_failed")
             raise InvalidRequestError(f"video {job_id} is {job.status}; its content exists once it is completed",
                                       param="video_id", code="video_not_ready")
         return job.output.images[0] if variant == "thumbnail" else job.output.videos[0]

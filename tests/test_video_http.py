@@ -278,6 +278,8 @@ def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
     again = httpx.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()
     assert again["status"] == "failed" and again["error"]["code"] == "timeout"
     assert 0 < again["progress"] < 100  # it timed out while its batch ran
+    content = httpx.get(f"{url}/v1/videos/{job['id']}/content", timeout=30)  # never will have any: not "not ready"
+    assert content.status_code == 400 and content.json()["error"]["code"] == "video_failed"
 
 
 def test_openai_form_with_lists_and_more_edges(url):
