@@ -200,28 +200,34 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
 
 
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
-_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds"}
+# kept as text, never read as JSON (a prompt "123", an adapter named "1"); keys as the SDK writes them
+_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds", "lora[][name]"}
 
 
 def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -> dict:
-    """Form fields → a JSON body.
+    """Form fields → a JSON body, decoding the names OpenAI's SDK writes (``array_format``
+    "brackets", ``openai/_qs.py``).
+
+    Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become objects,
+    a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``), and ``[]``
+    inside a name is a list of objects (``lora[][name]=a``). The SDK sends such a list grouped
+    by field, not item by item (``lora[][name]=a``, ``lora[][name]=b``, ``lora[][scale]=0.8``,
+    ``lora[][scale]=0.5``), so item i takes the i-th value of each field. A 400 names the field
+    for items that give different fields (their values cannot be matched to items), a list
+    inside a list's items, and a field other than a list or upload given twice. Values of
+    fields other than the text fields are read as JSON when they parse (``8`` → 8, ``true`` →
+    True, ``[{"name": "a"}]``), else kept as text, and validation then names bad ones.
 
     Uploads (bytes) are accepted for the fields named in ``files`` only; elsewhere a file is a
     400 naming the field. An upload field given twice becomes a list, as ``name[]`` does.
-
-    Nested keys in bracket notation (``cache_dit_params[Fn_compute_blocks]=2``) become
-    objects and a trailing ``[]`` appends to a list (``cache_dit_params[scm_cache_bins][]=2``);
-    values of fields other than the text fields are read as JSON when they parse (``8`` → 8,
-    ``true`` → True), else kept as text, and validation then names bad ones.
     """
     body: dict = {}
+    lists: dict[tuple[str, ...], dict[tuple[str, ...], list]] = {}  # list path -> item field path -> values
     for key, value in items:
         match = _FORM_KEY.match(key)
         if not match:
             raise InvalidRequestError(f"malformed form field name {key[:40]!r}", param=key[:40])
         path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
-        if "" in path[:-1]:
-            raise InvalidRequestError(f"malformed form field name {key[:40]!r} ([] only at the end)", param=path[0])
         if isinstance(value, bytes) and path[0] in files and len(path) <= 2 and path[1:] in ([], [""]):
             pass  # an upload where one is expected
         elif not isinstance(value, str):
@@ -231,29 +237,72 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
         elif path[0] in files:
             raise InvalidRequestError(f"{path[0]}: expected an uploaded file, got a text field", param=path[0],
                                       code="invalid_value")
-        elif path[0] not in _FORM_TEXT_FIELDS:
+        elif key not in _FORM_TEXT_FIELDS:
             try:
                 value = json.loads(value)
             except (ValueError, RecursionError):
                 pass
-        node = body
-        parts, append = (path[:-1], True) if path[-1] == "" else (path, False)
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=path[0])
-        if append:
-            node = node.setdefault(parts[-1], [])
-            if not isinstance(node, list):
-                raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=path[0])
-            node.append(value)
-        elif path[0] in files and parts[-1] in node:  # a repeated upload field (curl -F image=@a -F image=@b)
-            node[parts[-1]] = [*(node[parts[-1]] if isinstance(node[parts[-1]], list) else [node[parts[-1]]]), value]
-        elif isinstance(node.get(parts[-1]), (dict, list)):
-            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=path[0])
-        else:
-            node[parts[-1]] = value
+        if "" not in path[:-1]:
+            _form_put(body, path, value, key, repeatable=path[0] in files)
+            continue
+        at = path.index("")
+        if "" in path[at + 1:]:
+            raise InvalidRequestError(f"form field {key[:40]!r}: a list inside a list's items cannot be sent as "
+                                      f"form fields (its items cannot be told apart); send {path[0]} as JSON text "
+                                      "in one field", param=path[0], code="invalid_form")
+        lists.setdefault(tuple(path[:at]), {}).setdefault(tuple(path[at + 1:]), []).append(value)
+    for at, fields in lists.items():
+        _form_put(body, list(at), _form_items(at, fields), f"{_form_name(at)}[]", repeatable=False)
     return body
+
+
+def _form_name(path) -> str:
+    """``("a", "b", "")`` → ``a[b][]``."""
+    return path[0] + "".join(f"[{part}]" for part in path[1:])
+
+
+def _form_items(at: tuple[str, ...], fields: dict[tuple[str, ...], list]) -> list[dict]:
+    """The items of the list of objects at ``at`` (``fields``: each item field's values, in
+    order): item i takes the i-th value of each field."""
+    names = {field: f"{_form_name(at)}[]{_form_name(('', *field))}" for field in fields}
+    if len({len(values) for values in fields.values()}) > 1:
+        given = ", ".join(f"{names[field]}: {len(values)}" for field, values in fields.items())
+        raise InvalidRequestError(
+            f"{at[0]}: the items of a list sent as form fields must each give the same fields, else a value "
+            f"cannot be matched to its item (values given: {given[:300]}); give every item each field, or send "
+            f"{at[0]} as JSON text in one field", param=at[0], code="invalid_form")
+    items = [{} for _ in next(iter(fields.values()))]
+    for field, values in fields.items():
+        for item, value in zip(items, values, strict=True):
+            _form_put(item, list(field), value, names[field], repeatable=False, param=at[0])
+    return items
+
+
+def _form_put(body: dict, path: list[str], value, key: str, *, repeatable: bool, param: str | None = None) -> None:
+    """Set ``value`` at ``path`` in ``body`` (a trailing ``""`` appends to a list). A field given
+    twice is a 400, unless ``repeatable`` (upload fields: the values become a list)."""
+    param = param or path[0]
+    node = body
+    parts, append = (path[:-1], True) if path[-1] == "" else (path, False)
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param)
+    last = parts[-1]
+    if append:
+        node = node.setdefault(last, [])
+        if not isinstance(node, list):
+            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=param)
+        node.append(value)
+    elif last not in node:
+        node[last] = value
+    elif repeatable:  # a repeated upload field (curl -F image=@a -F image=@b)
+        node[last] = [*(node[last] if isinstance(node[last], list) else [node[last]]), value]
+    elif isinstance(node[last], dict):
+        raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param)
+    else:
+        raise InvalidRequestError(f"form field {key[:40]!r} is given more than once; it takes one value",
+                                  param=param, code="invalid_form")
 
 
 # -- query strings ----------------------------------------------------------------------------

@@ -129,6 +129,73 @@ def test_deep_nesting_is_a_400_in_json_and_in_forms():
     assert refused(body).param == "cache_dit_params"
 
 
+def sdk_form(call, files: tuple[str, ...]) -> dict:
+    """The body the Ingress decodes (Starlette's form parser, then ``form_to_body``) from the
+    multipart form OpenAI's SDK sends for ``call(client)``: the SDK's own encoding, byte for byte."""
+    import asyncio
+
+    import httpx
+    from openai import OpenAI
+    from starlette.requests import Request
+
+    from deployments.http import json_or_form_body
+    from deployments.proxy import BODY_SCOPE_KEY
+
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append((request.headers["content-type"], request.read()))
+        return httpx.Response(200, json={"created": 0, "data": [], "id": "video_1", "status": "queued"})
+
+    call(OpenAI(base_url="http://h/v1", api_key="k", max_retries=0,
+                http_client=httpx.Client(transport=httpx.MockTransport(answer))))
+    (content_type, raw), = sent
+    scope = {"type": "http", "headers": [(b"content-type", content_type.encode())], BODY_SCOPE_KEY: raw}
+    return asyncio.run(json_or_form_body(Request(scope), 1 << 20, 1 << 20, files=files, json=False))
+
+
+def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent():
+    """The SDK writes ``lora[][name]`` per item, grouped by field (every name, then every scale)."""
+    loras = [{"name": "magenta", "scale": 0.8}, {"name": "1", "scale": -0.5}]  # "1": a name stays text
+    nested = {"Fn_compute_blocks": 2, "scm_cache_bins": [1, 2], "secondary": {"Bn_compute_blocks": 0}}
+    body = sdk_form(lambda c: c.images.edit(image=("a.png", b"PNG"), prompt="123", extra_body={
+        "lora": loras, "cache_dit_params": nested, "enable_cache_dit": True, "seed": 3}), ("image", "mask"))
+    assert body == {"image": b"PNG", "prompt": "123", "lora": loras, "cache_dit_params": nested,
+                    "enable_cache_dit": True, "seed": 3}
+    deep = [{"name": "a", "x": {"y": 1, "z": "t"}}, {"name": "b", "x": {"y": 2, "z": "u"}}]
+    body = sdk_form(lambda c: c.videos.create(prompt="p", seconds="4", extra_body={"lora": [{"name": "a"}],
+                                                                                     "deep": deep}),
+                    ("input_reference",))
+    assert body == {"prompt": "p", "seconds": "4", "lora": [{"name": "a"}], "deep": deep}
+    interleaved = form_to_body([("lora[][name]", "a"), ("lora[][scale]", "1"), ("lora[][name]", "b"),
+                                ("lora[][scale]", "2")])  # curl -F, item by item
+    assert interleaved == {"lora": [{"name": "a", "scale": 1}, {"name": "b", "scale": 2}]}
+    assert form_to_body([("lora", '[{"name": "a"}, {"name": "b", "scale": 2}]')])["lora"][1] == {"name": "b",
+                                                                                                   "scale": 2}
+    assert form_to_body([("image", b"a"), ("image", b"b"), ("mask[]", b"c"), ("x[]", "1"), ("x[]", "2")],
+                        files=("image", "mask")) == {"image": [b"a", b"b"], "mask": [b"c"], "x": [1, 2]}  # lists
+
+
+@pytest.mark.parametrize("items, param, words", [
+    # items giving different fields: [{a}, {b, 0.5}] and [{a, 0.5}, {b}] are the same form
+    ([("lora[][name]", "a"), ("lora[][name]", "b"), ("lora[][scale]", "0.5")], "lora", "same fields"),
+    ([("x[][]", "1"), ("x[][]", "2")], "x", "a list inside a list"),
+    ([("lora[][b][]", "1")], "lora", "a list inside a list"),
+    ([("lora[]", "a"), ("lora[][name]", "a")], "lora", "more than once"),
+    ([("lora[][b]", "1"), ("lora[][b][c]", "2")], "lora", "mixes a value and an object"),
+    ([("prompt", "a"), ("prompt", "b")], "prompt", "given more than once"),
+    ([("prompt", "a"), ("seed", "1"), ("seed", "1")], "seed", "given more than once"),
+    ([("cache_dit_params[Fn_compute_blocks]", "1"), ("cache_dit_params[Fn_compute_blocks]", "2")],
+     "cache_dit_params", "given more than once"),
+    ([("cache_dit_params[x]", "1"), ("cache_dit_params", "2")], "cache_dit_params", "mixes"),
+    ([("a]b", "1")], "a]b", "malformed"),
+])
+def test_forms_that_cannot_be_one_body_are_a_400_naming_the_field(items, param, words):
+    with pytest.raises(InvalidRequestError, match=words) as info:
+        form_to_body(items, files=("image", "mask"))
+    assert info.value.param == param
+
+
 def test_long_values_are_not_echoed_whole():
     err = refused({"prompt": "a", "size": "x" * 5000, "attention_backend_override": "y" * 5000})
     assert len(err.message) < 600
