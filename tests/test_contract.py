@@ -167,7 +167,10 @@ VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan-moe", spatial_factor=16
     ({"prompt": "a", "num_frames": 10}, "num_frames", "4·k + 1"),
     ({"prompt": "a", "num_frames": 37}, "num_frames", "at most 33"),
     ({"prompt": "a", "seconds": 30}, "seconds", "at most 33"),
-    ({"prompt": "a", "seconds": "soon"}, "seconds", "number of seconds"),
+    ({"prompt": "a", "seconds": "soon"}, "seconds", "whole number of seconds in ASCII digits"),
+    # as strict as size: ASCII digits (not "١", Arabic-Indic one), whole seconds, no silent rounding up
+    *(({"prompt": "a", "seconds": bad}, "seconds", "1 to 3600 (OpenAI's values are 4, 8 and 12")
+      for bad in ("\u0661", "1e-300", 1e-300, "0.5", 2.0, "0", 0, -4, "+4", " 4", "4\n", "4 ", True, "12345", 3601)),
     ({"prompt": "a", "seconds": 1, "num_frames": 9}, "seconds", "not both"),
     ({"prompt": "a", "size": "512x512"}, "size", "at most 65536"),
     ({"prompt": "a", "size": "72x64"}, "size", "multiples of 16"),

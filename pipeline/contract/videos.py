@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Literal
 
@@ -17,12 +16,14 @@ from pipeline.modes import DualMode, InputMode, StrEnum
 from pipeline.wire import AccelerationReport
 
 MAX_SECONDS = 3600  # a bound before frames are computed; limits.max_frames is the real cap
+SECONDS_RE = re.compile(r"[0-9]{1,4}")  # ASCII digits only, as size's; OpenAI's VideoSeconds: "4", "8", "12"
 
 
 class VideoGenerationRequest(GenerationRequest):
     """Body of ``POST /v1/videos`` and argument of the handle's ``submit_video``.
 
-    ``seconds`` (OpenAI's field; a number or numeric string) or ``num_frames`` set the
+    ``seconds`` (OpenAI's field: a whole number of seconds in ASCII digits, 1 to ``MAX_SECONDS``,
+    as a string or integer; OpenAI's own values are "4", "8", "12") or ``num_frames`` set the
     length: ``seconds`` becomes ``temporal_factor · round(seconds · fps / temporal_factor) + 1``
     frames; ``num_frames`` must already be of that form (Wan: 4k + 1). ``fps``: frames per
     second of the MP4. ``guidance_scale_2`` (guidance of the low-noise expert) and
@@ -33,7 +34,7 @@ class VideoGenerationRequest(GenerationRequest):
     conditioning); it is scaled to cover ``size`` and centre-cropped.
     """
 
-    seconds: float | str | None = None
+    seconds: int | str | None = None
     num_frames: int | None = None
     fps: int | None = None
     guidance_scale_2: float | None = Field(default=None, allow_inf_nan=False)
@@ -49,18 +50,16 @@ class VideoGenerationRequest(GenerationRequest):
                              "(a WanImageToVideoPipeline checkpoint does)")
         return v
 
-    @field_validator("seconds")
+    @field_validator("seconds", mode="before")
     @classmethod
-    def _seconds(cls, v: float | str | None) -> float | None:
+    def _seconds(cls, v: object) -> int | None:
         if v is None:
             return v
-        try:
-            seconds = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"seconds must be a number of seconds > 0, got {shown(v)}") from None
-        if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
-            raise ValueError(f"seconds must be a number of seconds in (0, {MAX_SECONDS}], got {shown(v)}")
-        return seconds
+        text = str(v) if type(v) is int else v  # not bool, not float: 1e-300 or 2.5 seconds are refused
+        if not isinstance(text, str) or not SECONDS_RE.fullmatch(text) or not 1 <= int(text) <= MAX_SECONDS:
+            raise ValueError(f"seconds must be a whole number of seconds in ASCII digits, 1 to {MAX_SECONDS} "
+                             f"(OpenAI's values are 4, 8 and 12; num_frames sets other lengths), got {shown(v)}")
+        return int(text)
 
     @field_validator("fps")
     @classmethod
@@ -89,7 +88,7 @@ class VideoGenerationRequest(GenerationRequest):
         if self.num_frames is not None:
             return self.num_frames
         if self.seconds is not None:
-            return factor * max(1, round(float(self.seconds) * fps / factor)) + 1
+            return factor * max(1, round(self.seconds * fps / factor)) + 1
         return limits.default_num_frames
 
     @model_validator(mode="after")
