@@ -326,6 +326,15 @@ def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
     return kwargs
 
 
+def _form_fields(body: dict) -> dict:
+    """``body`` as the ``extra_body`` of a multipart request (``images.edit``, ``videos.create``):
+    lists and objects as JSON text, one field each, which the server reads as JSON. The SDK's
+    bracket names send a list of objects grouped by field (``lora[][name]``, then
+    ``lora[][scale]``), which cannot say whose scale it is when items differ (``--lora a
+    --lora b:0.5``)."""
+    return {key: json.dumps(value) if isinstance(value, (list, dict)) else value for key, value in body.items()}
+
+
 def previews_asked(extra: dict | None) -> int:
     """The ``partial_images`` a ``--stream-previews`` request asks for: ``extra``'s, itself or
     in a nested ``extra_body`` (``null`` or absent: :data:`PREVIEWS`)."""
@@ -374,14 +383,14 @@ def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: P
         kwargs["mask"] = (mask.name, mask.read_bytes())
     upload = (image.name, image.read_bytes())
     if previews is None:
-        response = client.images.edit(image=upload, prompt=prompt, response_format="b64_json", extra_body=body,
-                                      **kwargs)
+        response = client.images.edit(image=upload, prompt=prompt, response_format="b64_json",
+                                      extra_body=_form_fields(body), **kwargs)
         _write(output, _first_image(response, base_url))
         return (response.model_extra or {}).get("ditserve", {})
     writable_dir(previews)
     body["partial_images"] = previews_asked(body)
-    return _streamed(client.images.edit(image=upload, prompt=prompt, stream=True, extra_body=body, **kwargs),
-                     base_url, output, previews, on_event)
+    return _streamed(client.images.edit(image=upload, prompt=prompt, stream=True, extra_body=_form_fields(body),
+                                        **kwargs), base_url, output, previews, on_event)
 
 
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
@@ -390,22 +399,48 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
                    input_reference: Path | None = None) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. ``input_reference``: an image file that becomes the first frame
-    (image-to-video models). Raises :class:`VideoJobFailed` if the job fails."""
+    (image-to-video models). Raises :class:`VideoJobFailed` if the job fails, and on Ctrl-C
+    once the job exists deletes it (best effort, :data:`CANCEL_TIMEOUT_S`) and raises
+    :class:`VideoJobCancelled`."""
     writable(output)
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
         kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
-    job = client.videos.create(prompt=prompt, extra_body=body, **kwargs)
-    while job.status not in ("completed", "failed"):
-        time.sleep(poll_s)
-        job = client.videos.retrieve(job.id)
-        if on_progress is not None:
-            on_progress(job)
-    if job.status == "failed":
-        raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
-    _write(output, client.videos.download_content(job.id).read())
+    job = client.videos.create(prompt=prompt, extra_body=_form_fields(body), **kwargs)
+    try:
+        while job.status not in ("completed", "failed"):
+            time.sleep(poll_s)
+            job = client.videos.retrieve(job.id)
+            if on_progress is not None:
+                on_progress(job)
+        if job.status == "failed":
+            raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
+        _write(output, client.videos.download_content(job.id).read())
+    except KeyboardInterrupt:
+        raise VideoJobCancelled(job.id, _deleted(client, job.id)) from None
     return job.model_dump()
+
+
+CANCEL_TIMEOUT_S = 5.0  # how long Ctrl-C waits for the server to delete the job
+
+
+def _deleted(client, video_id: str) -> bool:
+    """``DELETE /v1/videos/{video_id}``: whether the server answered it (within
+    :data:`CANCEL_TIMEOUT_S`; a second Ctrl-C gives up)."""
+    try:
+        client.with_options(timeout=CANCEL_TIMEOUT_S, max_retries=0).videos.delete(video_id)
+        return True
+    except (Exception, KeyboardInterrupt):
+        return False
+
+
+class VideoJobCancelled(KeyboardInterrupt):
+    """Ctrl-C while a video job ran: its id, and whether the server deleted it."""
+
+    def __init__(self, video_id: str, deleted: bool):
+        super().__init__(video_id)
+        self.video_id, self.deleted = video_id, deleted
 
 
 class VideoJobFailed(RuntimeError):
@@ -648,7 +683,13 @@ def _cmd_video(ns) -> int:
             for bar in bars:
                 bar.close()
 
-    job, rc = _run_client(run, ns.url)
+    try:
+        job, rc = _run_client(run, ns.url)
+    except VideoJobCancelled as exc:
+        print(f"cancelled: video job {exc.video_id} " + ("deleted on the server" if exc.deleted else
+              f"may still run on the server (DELETE {ns.url}/v1/videos/{exc.video_id} was not answered)"),
+              file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports Ctrl-C
     return _written(ns.output, job, rc)
 
 
@@ -727,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
                    help="the server (its route prefix too, if not /)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
-    p.add_argument("--seconds", help="length in seconds (or give num_frames in --extra)")
+    p.add_argument("--seconds", help="length in whole seconds (or give num_frames in --extra)")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
     p.add_argument("--extra", type=json_object_arg, help="JSON object of extra request fields, e.g. '{\"num_frames\": 17}'")

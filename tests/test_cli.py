@@ -72,23 +72,29 @@ def test_a_connection_lost_mid_answer_is_not_called_a_missing_server(transport):
 
 
 class _Answering(http.server.ThreadingHTTPServer):
-    """A real HTTP server that answers every POST with one fixed answer (status, type, body):
-    a server or proxy that answers what ditserve never should, to see what the CLI prints."""
+    """A real HTTP server that answers every request (POST, GET, DELETE) with one fixed answer
+    (status, type, body): a server or proxy that answers what ditserve never should, to see what
+    the CLI prints. ``paths``/``bodies``: the POSTs'; ``requests``: (method, path) of each."""
 
     def __init__(self, status: int, content_type: str, body: bytes):
-        self.answer, self.posts, self.paths = (status, content_type, body), 0, []
+        self.answer, self.posts, self.paths, self.bodies, self.requests = (status, content_type, body), 0, [], [], []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805 (the server is self)
-                handler.rfile.read(int(handler.headers.get("content-length") or 0))
-                self.posts += 1
-                self.paths.append(handler.path)
+                sent = handler.rfile.read(int(handler.headers.get("content-length") or 0))
+                self.requests.append((handler.command, handler.path))
+                if handler.command == "POST":
+                    self.posts += 1
+                    self.paths.append(handler.path)
+                    self.bodies.append(sent)
                 status, content_type, body = self.answer
                 handler.send_response(status)
                 handler.send_header("content-type", content_type)
                 handler.send_header("content-length", str(len(body)))
                 handler.end_headers()
                 handler.wfile.write(body)
+
+            do_GET = do_DELETE = do_POST
 
             def log_message(handler, *args):  # noqa: N805
                 pass
@@ -196,6 +202,39 @@ def test_stream_in_extra_is_refused_before_any_request(tmp_path, capsys):
                 err = capsys.readouterr().err
                 assert err.count("\n") == 1 and err.startswith("error: --extra: stream is set by the command"), err
         assert server.posts == 0
+    finally:
+        server.shutdown()
+
+
+def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C left the job running on the server (and printed a traceback). The progress bar,
+    drawn once the first poll answers, is where the Ctrl-C lands here."""
+    import tqdm
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tqdm, "tqdm", interrupted)
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url,
+                     "--lora", "a", "--lora", "b:0.5"]) == 130
+        assert server.requests == [("POST", "/v1/videos"), ("GET", "/v1/videos/video_1"),
+                                   ("DELETE", "/v1/videos/video_1")]
+        assert capsys.readouterr().err == "cancelled: video job video_1 deleted on the server\n"
+        # a list of objects goes as JSON text in one form field: lora[][name], lora[][scale] cannot say whose
+        assert b'name="lora"\r\n\r\n[{"name": "a"}, {"name": "b", "scale": 0.5}]\r\n' in server.bodies[0]
+
+        def gone(*args, **kwargs):  # the server goes away: the DELETE is not answered
+            server.shutdown()
+            server.server_close()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tqdm, "tqdm", gone)
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("cancelled: video job video_1 may still run on the server")
     finally:
         server.shutdown()
 
