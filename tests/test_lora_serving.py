@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from openai import NotFoundError
+from openai import BadRequestError, NotFoundError
+from PIL import Image
 from ray import serve
 
 from compat.ray_serve import deploy_config
@@ -121,6 +122,41 @@ def test_adapter_file_broken_at_load_time_fails_its_batch_only(client, url, frag
     assert str(fragile) not in error["message"]
     image, _ = _image(client)  # the replica keeps serving
     assert image.shape == (64, 64, 3)
+
+
+def test_edits_take_adapters_sent_as_form_fields_by_the_sdk_and_the_cli(client, url, tmp_path, capsys):
+    """``images.edit`` is always multipart: the SDK's ``lora[][name]``/``lora[][scale]`` fields
+    were a 400 ("[] only at the end"), so neither the SDK nor ``ditserve edit --lora`` could
+    apply an adapter to an edit. (outline at scale 0: a second item, left out of the set.)"""
+    from deployments.cli import main
+
+    source, out = tmp_path / "in.png", tmp_path / "out.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(source)
+    fields = {"num_inference_steps": 4, "seed": 2, "strength": 1.0}
+    loras = [{"name": "magenta", "scale": 0.8}, {"name": "outline", "scale": 0}]
+
+    def edit(lora=None):
+        extra = {**fields, **({"lora": lora} if lora else {})}
+        response = client.images.edit(image=("in.png", source.read_bytes()), prompt="a red circle",
+                                      response_format="b64_json", extra_body=extra)
+        return pixels(response.data[0].b64_json), response.model_extra["ditserve"]
+
+    base, _ = edit()
+    adapted, meta = edit(loras)
+    assert "lora=magenta:0.8" in meta["signature"] and meta["acceleration"]["lora"]["active"] == ["magenta:0.8"]
+    assert np.abs(adapted - base).max() > 0
+    result = serve.get_app_handle("ditserve").edit.remote({"prompt": "a red circle", "image": source.read_bytes(),
+                                                           **fields, "lora": loras}).result()
+    assert np.abs(pixels(result.data[0].b64_json) - adapted).max() <= 1  # as the handle's list
+    with pytest.raises(BadRequestError) as info:  # {a}, {b, 0.5} and {a, 0.5}, {b}: one form, refused
+        edit([{"name": "magenta"}, {"name": "outline", "scale": 0.5}])
+    assert info.value.param == "lora" and "same fields" in info.value.message
+    assert main(["edit", str(source), "a red circle", "-o", str(out), "--url", url, "--steps", "4", "--seed", "2",
+                 "--strength", "1", "--lora", "magenta:0.8", "--lora", "outline:0"]) == 0, capsys.readouterr().err
+    assert np.abs(pixels(out.read_bytes()) - adapted).max() <= 1
+    assert main(["edit", str(source), "a red circle", "-o", str(out), "--url", url, "--steps", "4", "--seed", "2",
+                 "--strength", "1", "--lora", "magenta", "--lora", "outline:0.5"]) == 0  # JSON text: not ambiguous
+    assert "lora=magenta:1 lora=outline:0.5" in capsys.readouterr().out
 
 
 def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None) -> None:

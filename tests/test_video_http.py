@@ -300,6 +300,27 @@ def test_openai_form_with_lists_and_more_edges(url):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
+def test_video_forms_decode_lists_of_objects_and_refuse_repeats_and_loose_seconds(url):
+    """videos.create is always multipart: extra_body={"lora": [...]} was a 400 ("[] only at the
+    end"); here it reaches validation (tiny-wan registers no adapter: a 404 naming it). seconds
+    took "١" and "1e-300"; -F prompt=a -F prompt=b kept one of them. Nothing is queued."""
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError, match="LoRA adapter 'nope' is not registered"):
+        client.videos.create(prompt="a", seconds="1", extra_body={"lora": [{"name": "nope", "scale": 0.5},
+                                                                           {"name": "other", "scale": 1}]})
+    for seconds in ("\u0661", "1e-300", "1.5"):
+        with pytest.raises(BadRequestError, match="whole number of seconds") as info:
+            client.videos.create(prompt="a", seconds=seconds)
+        assert info.value.param == "seconds"
+    for form, param in (({"files": [("prompt", (None, b"a")), ("prompt", (None, b"b"))]}, "prompt"),  # curl -F
+                        ({"data": {"prompt": "a", "seed": ["1", "2"]}}, "seed")):  # url-encoded
+        r = httpx.post(f"{url}/v1/videos", **form, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "given more than once" in r.json()["error"]["message"]
+
+
 def test_cli_video_shows_a_progress_bar_and_writes_the_mp4(url, tmp_path, capsys):
     from deployments.cli import main
 
