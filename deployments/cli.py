@@ -426,7 +426,7 @@ CANCEL_TIMEOUT_S = 5.0  # how long Ctrl-C waits for the server to delete the job
 
 
 def _deleted(client, video_id: str) -> bool:
-    """``DELETE /v1/videos/{video_id}``: whether the server answered it (within
+    """``DELETE /v1/videos/{video_id}``: whether the server deleted the job (within
     :data:`CANCEL_TIMEOUT_S`; a second Ctrl-C gives up)."""
     try:
         client.with_options(timeout=CANCEL_TIMEOUT_S, max_retries=0).videos.delete(video_id)
@@ -687,7 +687,7 @@ def _cmd_video(ns) -> int:
         job, rc = _run_client(run, ns.url)
     except VideoJobCancelled as exc:
         print(f"cancelled: video job {exc.video_id} " + ("deleted on the server" if exc.deleted else
-              f"may still run on the server (DELETE {ns.url}/v1/videos/{exc.video_id} was not answered)"),
+              f"may still run on the server (DELETE {ns.url}/v1/videos/{exc.video_id} failed)"),
               file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports Ctrl-C
     return _written(ns.output, job, rc)
