@@ -88,11 +88,15 @@ def test_mixed_workload_over_http_and_the_handle(client, url):
         _image(client, lora=[{"name": "nope"}])
     response = post(url, {"prompt": "a", "lora": [{"name": "../x"}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "lora"
-    counters = {}
-    for replica in stats(url)["replicas"].values():
-        for key in ("lora_loads", "lora_hits", "lora_evictions"):
-            counters[key] = counters.get(key, 0) + replica.get(key, 0)
-    assert counters["lora_loads"] >= 1 and counters["lora_hits"] >= 1
+    _image(client, lora=[{"name": "magenta", "scale": 0.5}])  # another scale: magenta found loaded (a hit)
+    def counters() -> dict[str, int]:  # replicas report every routing_stats_period_s: they trail answers
+        total = {"lora_loads": 0, "lora_hits": 0, "lora_evictions": 0}
+        for replica in stats(url)["replicas"].values():
+            for key in total:
+                total[key] += replica.get(key, 0)
+        return total
+
+    wait_until(lambda: counters()["lora_loads"] >= 1 and counters()["lora_hits"] >= 1, timeout=30)
 
 
 def test_affinity_prefers_the_replica_holding_the_adapter(client, url):
