@@ -712,6 +712,9 @@ def _cmd_demo(ns) -> int:
     return 0
 
 
+CLIENT_COMMANDS = ("generate", "edit", "video")  # the commands that call a running server
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ditserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -786,7 +789,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_demo)
 
     ns = parser.parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        if ns.command not in CLIENT_COMMANDS:
+            raise
+        # one line, as for every other way a client command ends early (a video job already
+        # created was deleted by _cmd_video; an image request stops when its connection closes)
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 if __name__ == "__main__":

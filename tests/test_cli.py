@@ -402,3 +402,20 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     assert "cli-joined" not in serve.status().applications
     assert serve.status().applications["ditserve"].status == "RUNNING"
     assert httpx.get(f"{ray_cluster['url']}/v1/models", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("command", ["generate", "edit", "video"])
+def test_ctrl_c_in_a_client_command_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path, command):
+    """Ctrl-C while a client command waits (before a video job exists, or during an image
+    request) printed a traceback; now one line and 130, as a shell reports Ctrl-C."""
+    from deployments import cli
+
+    def interrupted(_ns):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
+    args = {"generate": ["generate", "a star", "-o", str(tmp_path / "x.png")],
+            "edit": ["edit", str(tmp_path / "in.png"), "a star", "-o", str(tmp_path / "x.png")],
+            "video": ["video", "a star", "-o", str(tmp_path / "x.mp4")]}[command]
+    assert cli.main(args) == 130
+    assert capsys.readouterr().err == "interrupted\n"
