@@ -400,8 +400,8 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. ``input_reference``: an image file that becomes the first frame
     (image-to-video models). Raises :class:`VideoJobFailed` if the job fails, and on Ctrl-C
-    once the job exists deletes it (best effort, :data:`CANCEL_TIMEOUT_S`) and raises
-    :class:`VideoJobCancelled`."""
+    while the job runs deletes it (best effort, :data:`CANCEL_TIMEOUT_S`) and raises
+    :class:`VideoJobCancelled` (once it completed, a plain ``KeyboardInterrupt``: the job stays)."""
     writable(output)
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
@@ -414,11 +414,12 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
             job = client.videos.retrieve(job.id)
             if on_progress is not None:
                 on_progress(job)
-        if job.status == "failed":
-            raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
-        _write(output, client.videos.download_content(job.id).read())
     except KeyboardInterrupt:
         raise VideoJobCancelled(job.id, _deleted(client, job.id)) from None
+    if job.status == "failed":
+        raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
+    # completed: Ctrl-C from here on keeps the job (its MP4 can be downloaded again)
+    _write(output, client.videos.download_content(job.id).read())
     return job.model_dump()
 
 

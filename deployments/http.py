@@ -213,8 +213,11 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
     inside a name is a list of objects (``lora[][name]=a``). The SDK sends such a list grouped
     by field, not item by item (``lora[][name]=a``, ``lora[][name]=b``, ``lora[][scale]=0.8``,
     ``lora[][scale]=0.5``), so item i takes the i-th value of each field. A 400 names the field
-    for items that give different fields (their values cannot be matched to items), a list
-    inside a list's items, and a field other than a list or upload given twice. Values of
+    whose item fields give different numbers of values (items giving different fields: their
+    values cannot be matched to items), a list inside a list's items, and a field other than a
+    list or upload given twice. Items giving different fields with equal counts cannot be told
+    from fewer, fuller items (``[{"name": "a"}, {"scale": 0.5}]`` is the form of ``[{"name": "a",
+    "scale": 0.5}]``) and are read so: only JSON text in one field says which is meant. Values of
     fields other than the text fields are read as JSON when they parse (``8`` → 8, ``true`` →
     True, ``[{"name": "a"}]``), else kept as text, and validation then names bad ones.
 

@@ -102,6 +102,7 @@ class Router:
         self.reconfigure_batching(BatchingConfig().model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
+        self._queued_by_priority = Tally()  # queued requests per priority (the queue-depth gauge)
         self._inflight = 0
         self._idle_since: float | None = time.monotonic()  # when the last batch in flight ended (None: one is)
         self._claims: dict[str, str] = {}  # batch_id -> replica it was meant for, while in flight
@@ -260,7 +261,7 @@ class Router:
                            caller=caller, on_preview=on_preview)
         self._queues.setdefault(signature, deque()).append(pending)
         self._queued += 1
-        self._queue_changed()
+        self._queue_changed(added=(pending,))
         self._wakeup.set()
         return pending
 
@@ -493,7 +494,7 @@ class Router:
             p.requeues += 1
             self._queues.setdefault(p.signature, deque()).appendleft(p)
         self._queued += len(again)
-        self._queue_changed()
+        self._queue_changed(added=again)
         if again:
             self._counters["requeued"] += len(again)
             logger.warning("batch %s was not run (%s); %d requests requeued", batch_id, type(cause).__name__,
@@ -506,18 +507,20 @@ class Router:
             return False
         queue.remove(pending)
         self._queued -= 1
-        self._queue_changed(pending.signature)
+        self._queue_changed(pending.signature, removed=(pending,))
         return True
 
-    def _queue_changed(self, signature: BatchSignature | None = None) -> None:
-        """Drop ``signature``'s queue once empty (queues are made per signature a request
-        brings: kept, they would grow with every distinct value of a float field) and report
-        the queue depth by priority."""
+    def _queue_changed(self, signature: BatchSignature | None = None, added=(), removed=()) -> None:
+        """After requests were ``added`` to or ``removed`` from the queues: drop
+        ``signature``'s queue once empty (queues are made per signature a request brings: kept,
+        they would grow with every distinct value of a float field) and report the queue depth
+        by priority (kept as counts: no pass over the queues)."""
         if signature is not None and not self._queues.get(signature, True):
             del self._queues[signature]
-        depth = Tally(p.params.priority for q in self._queues.values() for p in q)
-        for priority in Priority:
-            self._metric_queue_depth.set(depth[priority], tags={"priority": str(priority)})
+        self._queued_by_priority.update(p.params.priority for p in added)
+        self._queued_by_priority.subtract(p.params.priority for p in removed)
+        for priority in {p.params.priority for p in (*added, *removed)}:
+            self._metric_queue_depth.set(self._queued_by_priority[priority], tags={"priority": str(priority)})
 
     def _reject(self, reason: str) -> None:
         self._counters[f"rejected_{reason}"] += 1
@@ -569,7 +572,7 @@ class Router:
         queue.clear()
         queue.extend(remaining)
         self._queued -= len(batch)
-        self._queue_changed(signature)
+        self._queue_changed(signature, removed=batch)
         return batch
 
     async def _schedule(self) -> None:
@@ -794,6 +797,7 @@ class Router:
             "batching": self._batching,  # the knobs in force (args, or the last user_config update)
             "queue_depth": {str(sig): len(q) for sig, q in self._queues.items()},  # none empty
             "queued": self._queued,
+            "queued_by_priority": {str(p): self._queued_by_priority[p] for p in Priority},  # the gauge's values
             "inflight_batches": self._inflight,
             "unstarted_batches": len(self._unstarted),  # dispatched, not yet begun by their replica
             "replicas": chooser.replica_stats() if chooser is not None else {},

@@ -239,6 +239,24 @@ def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, c
         server.shutdown()
 
 
+def test_ctrl_c_once_the_video_job_completed_keeps_it(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the finished MP4 downloads deleted the job that had succeeded: now it stays."""
+    from deployments import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_write", interrupted)
+    job = {"id": "video_1", "object": "video", "status": "completed", "progress": 100, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
+        assert server.requests == [("POST", "/v1/videos"), ("GET", "/v1/videos/video_1/content")]
+        assert capsys.readouterr().err == "interrupted\n"
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_write_that_fails_names_the_output(capsys):
     server = _Answering(200, "application/json", json.dumps({"created": 1, "data": [{"b64_json": _PNG}]}).encode())

@@ -243,9 +243,11 @@ def test_a_batch_priority_backlog_leaves_interactive_work_room(deploy):
         assert error["code"] == "overloaded" and "max_queued_batch_requests 1 " in error["message"]
         queued.append(pool.submit(post, url, {"prompt": "i0", "seed": 5, **FAST}))  # interactive: room kept
         wait_until(lambda: held()["queued"] == 5)
+        assert held()["queued_by_priority"] == {"interactive": 1, "batch": 4}
         for priority in ("interactive", "batch"):  # the whole queue is full now
             assert post(url, {"prompt": "late", "seed": 6, "priority": priority, **FAST}).status_code == 429
         assert [f.result().status_code for f in [*running, *queued]] == [200] * 6
+    assert held()["queued_by_priority"] == {"interactive": 0, "batch": 0}
     counters = held()["counters"]
     assert counters.get("rejected_overloaded", 0) - before.get("rejected_overloaded", 0) >= 1  # the proxy's gate may refuse the last two
 
