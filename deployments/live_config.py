@@ -40,10 +40,11 @@ class LiveUpdates:
         self.serving = True
 
     async def apply(self, user_config: Any, apply: Callable[[Any], Any]) -> None:
-        """Run ``apply(user_config)`` (a function or a coroutine function) that checks everything
-        before changing anything. Raises what it raises while the replica is starting;
-        afterwards a ``ValueError`` (pydantic's ``ValidationError`` is one) is logged and kept in
-        :attr:`refused` instead."""
+        """Run ``apply(user_config)`` (a function or a coroutine function), which raises
+        ``ValueError`` for what it did not apply: the Router and the Ingress check everything
+        before changing anything, DiTReplica takes the adapters that fit and raises naming the
+        others. Raises what it raises while the replica is starting; afterwards a ``ValueError``
+        (pydantic's ``ValidationError`` is one) is logged and kept in :attr:`refused` instead."""
         try:
             done = apply(user_config)
             if inspect.isawaitable(done):
