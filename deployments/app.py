@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
 from deployments.config import AppConfig, admission_limit_of, with_env_overrides
@@ -34,6 +34,26 @@ def admission_limit(config: AppConfig) -> int:
     from it; its answers name it for the proxy's gate until the Router's live knobs replace it."""
     return admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size,
                               config.replica.most_replicas)
+
+
+def replica_counts(options: dict, config: AppConfig) -> tuple[int, int]:
+    """``(initial, most)``: DiTReplicas at start and at most under DiTReplica's Serve ``options``
+    (``num_replicas``, or ``autoscaling_config``'s ``initial_replicas`` / ``min_replicas`` and
+    ``max_replicas``, Serve's defaults where unset), so a config file's ``deployments`` entry
+    that sets them sizes admission as ``args`` would; ``config.replica``'s counts when neither
+    is given."""
+    autoscaling = options.get("autoscaling_config")
+    if options.get("num_replicas") == "auto":  # Serve's defaults for "auto", updated by autoscaling_config
+        given = autoscaling.model_dump() if isinstance(autoscaling, AutoscalingConfig) else autoscaling or {}
+        autoscaling = {**AutoscalingConfig.default().model_dump(), **given}
+    if autoscaling is not None:
+        if not isinstance(autoscaling, AutoscalingConfig):
+            autoscaling = AutoscalingConfig(**autoscaling)
+        return autoscaling.initial_replicas or autoscaling.min_replicas, autoscaling.max_replicas
+    count = options.get("num_replicas")
+    if isinstance(count, int) and count > 0:
+        return count, count
+    return config.replica.initial_replicas, config.replica.most_replicas
 
 
 def deployment_options(config: AppConfig) -> dict[str, dict]:
@@ -117,7 +137,16 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         if name not in options:
             raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
                              f"{', '.join(sorted(options))}")
-        options[name] = {**options[name], **entry}
+        built = dict(options[name])
+        if "autoscaling_config" in entry or entry.get("num_replicas") == "auto":
+            built.pop("num_replicas", None)  # Serve takes the entry's count over the built one, either way
+        elif "num_replicas" in entry:
+            built.pop("autoscaling_config", None)
+        options[name] = {**built, **entry}
+    initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
+    limit = admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size, most_replicas)
+    if not any(entry["name"] == "Ingress" and "max_ongoing_requests" in entry for entry in deployments or ()):
+        options["Ingress"]["max_ongoing_requests"] = limit + INGRESS_SPARE_SLOTS  # a DiTReplica count given there
     acceleration = config.acceleration.model_dump()
     if not (acceleration["torch_compile"] or acceleration["warmup"]):
         # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.
@@ -126,10 +155,10 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
     replica = DiTReplica.options(**options["DiTReplica"]).bind(
         config.model.model_dump(), config.replica.torch_threads, acceleration, config.limits.model_dump(),
         config.parallel.model_dump(), config.replica.rank_resources, config.replica.cpu_nice)
-    router = Router.options(**options["Router"]).bind(replica, config.replica.initial_replicas,
+    router = Router.options(**options["Router"]).bind(replica, initial_replicas,
                                                       config.videos.model_dump(), config.replica.routing_nice)
     ingress_config = {**config.model_dump(exclude={"acceleration", "batching", "videos"}),
-                      "admission_limit": admission_limit(config),  # what the proxy's AdmissionGate admits
-                      "most_replicas": config.replica.most_replicas,  # for the live limit (Router's knobs)
+                      "admission_limit": limit,  # what the proxy's AdmissionGate admits
+                      "most_replicas": most_replicas,  # for the live limit (Router's knobs)
                       "routing_nice": config.replica.routing_nice}
     return Ingress.options(**options["Ingress"]).bind(router, ingress_config)

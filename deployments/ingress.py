@@ -138,8 +138,9 @@ class Ingress:
                 self._capped_at = -1
                 logging.getLogger("ray.serve").warning("the admission limit stays at its args value: %s", exc)
             return
-        limit, needed = named_admission_limit(knobs["max_queued_requests"], knobs["max_batch_size"],
-                                              self._most_replicas, slots)
+        # The most replicas of args, or more where a deployments entry's count runs more (Serve applied it)
+        replicas = max(self._most_replicas, knobs.get("replicas", 0))
+        limit, needed = named_admission_limit(knobs["max_queued_requests"], knobs["max_batch_size"], replicas, slots)
         if needed is not None and self._capped_at != needed:
             self._capped_at = needed
             logging.getLogger("ray.serve").warning(

@@ -331,9 +331,11 @@ class Router:
 
     def renew_lease(self, caller: str) -> dict:
         """A caller (an Ingress replica) is alive: keep its requests. Returns the admission knobs
-        in force, ``{"max_queued_requests", "max_batch_size"}`` (a live ``user_config`` included)."""
+        in force, ``{"max_queued_requests", "max_batch_size", "replicas"}`` (a live ``user_config``
+        included; ``replicas``: the DiTReplicas routed to now, or ``capacity`` while unknown)."""
         self._reached = self._leases[caller] = time.monotonic()
-        return {"max_queued_requests": self._max_queued, "max_batch_size": self._max_batch_size}
+        return {"max_queued_requests": self._max_queued, "max_batch_size": self._max_batch_size,
+                "replicas": self._replica_count() or self._capacity}
 
     async def wanted_requests(self, batch_id: str, known: list[str] | None = None, wait_s: float = 0.0) -> list[str]:
         """The ids of a running batch's requests that still have a caller (a replica asks while

@@ -53,3 +53,29 @@ def test_a_deployments_entry_must_name_a_deployment_of_the_app():
 
     with pytest.raises(ValueError, match="no deployment named 'Routr'.*DiTReplica, Ingress, Router"):
         bind_app({}, [{"name": "Routr", "user_config": {"max_batch_size": 3}}])
+
+
+@pytest.mark.parametrize("args, deployments, most_replicas, initial_replicas", [
+    ({}, [], 1, 1),
+    ({}, [{"name": "DiTReplica", "num_replicas": 3}], 3, 3),
+    ({}, [{"name": "DiTReplica", "autoscaling_config": {"min_replicas": 2, "max_replicas": 5}}], 5, 2),
+    ({"replica": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}}}, [{"name": "DiTReplica", "num_replicas": 2}], 2, 2),
+    ({"replica": {"autoscaling": {"min_replicas": 2, "max_replicas": 4}}}, [], 4, 2),
+    ({}, [{"name": "DiTReplica", "num_replicas": "auto", "autoscaling_config": {"max_replicas": 6}}], 6, 1),
+])
+def test_a_deployments_entry_replica_count_sizes_admission(args, deployments, most_replicas, initial_replicas):
+    """``ditserve serve --config``: a DiTReplica count in the file's ``deployments`` section (a
+    number, autoscaling over a fixed count or the other way round, as Serve takes them) sizes the
+    admission limit, the Ingress's ``max_ongoing_requests`` and the Router's starting capacity as the
+    same count in ``args`` does (they were sized from ``args`` alone; a count and autoscaling together
+    were refused)."""
+    from deployments.app import bind_app
+
+    ingress = bind_app(args, deployments)._bound_deployment
+    router = ingress.init_args[0]._bound_deployment
+    limit = 256 + 8 * most_replicas  # max_queued_requests + a batch of max_batch_size per replica (defaults)
+    assert (ingress.init_args[1]["admission_limit"], ingress.init_args[1]["most_replicas"]) == (limit, most_replicas)
+    assert ingress.max_ongoing_requests == limit + 4
+    assert router.init_args[1] == initial_replicas
+    kept = bind_app(args, [*deployments, {"name": "Ingress", "max_ongoing_requests": 77}])._bound_deployment
+    assert kept.max_ongoing_requests == 77  # the file's own value stands

@@ -419,7 +419,8 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
     """A config file's Router ``user_config`` changes the batching knobs live (no replica
     restarted), and with them the admission limit the Ingress names for the proxy's gate: up to
     what the Ingress takes (its ``max_ongoing_requests`` less 4 spare slots), then, once the file
-    raises that too (a live update as well), the Router's whole limit."""
+    raises that too (a live update as well), the Router's whole limit; a DiTReplica count the
+    file's ``deployments`` section raises counts too (args said 1: the limit stayed at 1's)."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
     small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
@@ -457,6 +458,10 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
             busy.result()
         assert max(m["batch_size"] for m in metas) > 1
         assert {m["replica"] for m in metas} <= replicas_before  # the DiTReplica was not restarted either
+        # a second DiTReplica from the file's deployments section (args still say 1): 64 + 8 per replica
+        _deploy_config(one, {**one["batching"], "max_batch_size": 8},
+                       ({"name": "Ingress", "max_ongoing_requests": 80 + 4}, {"name": "DiTReplica", "num_replicas": 2}))
+        wait_until(lambda: admission()["admission_limit"] == 80, timeout=60)
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 
