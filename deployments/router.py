@@ -140,6 +140,9 @@ class Router:
         self._metric_cancelled = Counter("ditserve_cancelled_running", "Running work stopped because its callers "
                                          "left: whole batches, and requests whose rows left their batch",
                                          tag_keys=("scope",))
+        self._metric_cancelled_queued = Counter("ditserve_cancelled_queued", "Queued requests never run because "
+                                                "their callers left (disconnect, cancelled handle call, deleted "
+                                                "video job, lease lost)")
         self._metric_steps_saved = Counter("ditserve_steps_saved", "Denoising steps not run because their callers "
                                            "left: a stopped batch's steps, a dropped request's steps x n",
                                            tag_keys=("scope",))
@@ -206,6 +209,12 @@ class Router:
                 response.cancel()
 
     # -- admission and queues -------------------------------------------------------------
+    def _cancelled_queued(self, count: int) -> None:
+        """Count ``count`` queued requests dropped unrun because their callers left: ``cancelled``
+        in ``GET /v1/stats``, ``ditserve_cancelled_queued`` in Prometheus."""
+        self._counters["cancelled"] += count
+        self._metric_cancelled_queued.inc(count)
+
     def _admission_limit(self) -> int:
         """Requests held at once, queued or running: ``max_queued_requests`` plus a full batch
         per replica (the bound the Ingress and Serve's proxy enforce in front of the Router)."""
@@ -283,7 +292,7 @@ class Router:
                                       request_id=params.request_id) from None
         except asyncio.CancelledError:
             if self._forget(pending):  # the caller went away while queued: never run it
-                self._counters["cancelled"] += 1
+                self._cancelled_queued(1)
             else:  # while its batch runs: when every caller of that batch is gone, it stops early
                 pending.future.cancel()
             raise
@@ -395,7 +404,7 @@ class Router:
             orphans += [p for batch in self._running.values() for p in batch if p.caller in gone]
             for p in orphans:
                 if self._forget(p):
-                    self._counters["cancelled"] += 1
+                    self._cancelled_queued(1)
                 if not p.future.done():
                     p.future.cancel()
             if orphans:
@@ -623,7 +632,7 @@ class Router:
     async def _run(self, pending: list[_Pending], replica_id: str | None) -> None:
         dispatched = time.monotonic()
         if all(p.future.done() for p in pending):  # every caller left between the cut and now: run nothing
-            self._counters["cancelled"] += len(pending)
+            self._cancelled_queued(len(pending))
             self._release_slot()
             return
         if self._deleting:  # cut before the app read DELETING, started after: run nothing

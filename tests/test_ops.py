@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve` scripts
 # Ray's custom metrics from deployments/router.py (and the replica's LoRA loads), as the metrics export names them.
 METRICS = ("ditserve_queue_depth", "ditserve_batch_size", "ditserve_queue_wait_ms", "ditserve_routing_decisions",
-           "ditserve_rejections", "ditserve_lora_loads")
+           "ditserve_rejections", "ditserve_lora_loads", "ditserve_cancelled_queued")
 
 
 @dataclass
@@ -164,6 +164,13 @@ CLIENT = textwrap.dedent("""
     except RequestTimeoutError as exc:
         out["timeout"] = {"type": type(exc.cause).__name__, "status": exc.status_code}
     out["after"] = handle.generate.remote(body(0)).result(timeout_s=300).data[0].b64_json
+    # a request cancelled while it waits behind a running batch of another signature (steps)
+    running = handle.generate.remote({**body(9), "n": 4, "num_inference_steps": 100, "size": "64x64"})
+    time.sleep(0.5)
+    queued = handle.generate.remote(body(10))
+    time.sleep(0.5)
+    queued.cancel()
+    running.result(timeout_s=300)
     lora = handle.generate.remote({**body(8), "lora": [{"name": "magenta"}]}).result(timeout_s=300)
     out["lora"] = lora.ditserve.acceleration.lora.model_dump()
     print("RESULT" + json.dumps(out))
@@ -172,7 +179,8 @@ CLIENT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def client_run(ops_cluster):
-    """One separate driver process: a concurrent burst, an invalid request, a deadline miss, one more."""
+    """One separate driver process: a concurrent burst, an invalid request, a deadline miss, one more,
+    a request cancelled while queued."""
     proc = _run(ops_cluster.env, sys.executable, "-c", CLIENT, ops_cluster.address, timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -224,6 +232,7 @@ EXPORTED = {
     "ditserve_routing_decisions": ["ray_ditserve_routing_decisions_total"],
     "ditserve_rejections": ["ray_ditserve_rejections_total"],
     "ditserve_lora_loads": ["ray_ditserve_lora_loads_total"],  # DiTReplica's (configs/tiny-cpu.yaml's adapters)
+    "ditserve_cancelled_queued": ["ray_ditserve_cancelled_queued_total"],  # the client's cancelled queued request
 }
 
 
