@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
@@ -64,6 +64,15 @@ def named_admission_limit(max_queued_requests: int, max_batch_size: int, replica
     if wanted <= taken:
         return wanted, None
     return max(1, taken), wanted + INGRESS_SPARE_SLOTS
+
+
+def no_query_params(request: Request) -> None:
+    """A route's dependency: it takes no query parameters, so any is a 400 naming it (a
+    misspelt or misplaced field, ``?n=2`` instead of the body's ``n``, was ignored without a word)."""
+    query_params(request, ())
+
+
+NO_QUERY = [Depends(no_query_params)]
 
 
 def sse(events) -> StreamingResponse:
@@ -401,18 +410,18 @@ class Ingress:
                             "live_update_refused": self._live.refused}}  # its last user_config update refused
 
     # -- HTTP routes --------------------------------------------------------------------
-    @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest))
+    @api.post("/v1/images/generations", openapi_extra=request_body(ImageGenerationRequest), dependencies=NO_QUERY)
     async def http_generate(self, request: Request):
         body = key_default_priority(await json_body(request, self._max_json_bytes), request)
         return await self._http_image(body, edit=False)
 
-    @api.post("/v1/images/edits", openapi_extra=request_body(ImageEditRequest, forms=True))
+    @api.post("/v1/images/edits", openapi_extra=request_body(ImageEditRequest, forms=True), dependencies=NO_QUERY)
     async def http_edit(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=EDIT_FILES,
                                        json=False)
         return await self._http_image(key_default_priority(body, request), edit=True)
 
-    @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True))
+    @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True), dependencies=NO_QUERY)
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
         return (await self.submit_video(key_default_priority(body, request))).model_dump()
@@ -423,7 +432,7 @@ class Ingress:
         query_params(request, LIST_PARAMS)  # refuses unknown and repeated ones
         return (await self.list_videos(limit, after, order)).model_dump()
 
-    @api.get("/v1/videos/{video_id}")
+    @api.get("/v1/videos/{video_id}", dependencies=NO_QUERY)
     async def http_video(self, video_id: str):
         return (await self.video_status(video_id)).model_dump()
 
@@ -433,15 +442,15 @@ class Ingress:
         content = await self.video_content(video_id, variant)
         return Response(content, media_type=VIDEO_VARIANTS[variant])
 
-    @api.delete("/v1/videos/{video_id}")
+    @api.delete("/v1/videos/{video_id}", dependencies=NO_QUERY)
     async def http_delete_video(self, video_id: str):
         return await self.delete_video(video_id)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", dependencies=NO_QUERY)
     async def http_models(self):
         return await self.models()
 
-    @api.get("/v1/stats")
+    @api.get("/v1/stats", dependencies=NO_QUERY)
     async def http_stats(self):
         return await self.stats()
 

@@ -258,6 +258,27 @@ def test_list_pages_through_the_openai_client_and_refuses_bad_parameters(url):
             poll(url, video_id)  # nothing of this test left in flight for the next
 
 
+def test_routes_without_query_parameters_refuse_any(url):
+    """A query parameter on a route that takes none is a 400 naming it (``?n=2`` on a generation was
+    ignored without a word, as an unknown body field is not); no job is created by a refused one."""
+    created = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "num_frames": 5, "num_inference_steps": 1,
+                                                   "size": "32x32"}, timeout=30).json()["id"]
+    poll(url, created)
+    before = len(httpx.get(f"{url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"])
+    body = {"prompt": "a", "num_frames": 5, "num_inference_steps": 1, "size": "32x32"}
+    for method, path, kwargs in [("POST", "/v1/images/generations", {"json": {"prompt": "a"}}),
+                                 ("POST", "/v1/images/edits", {"files": {"image": b"x"}, "data": {"prompt": "a"}}),
+                                 ("POST", "/v1/videos", {"json": body}), ("GET", f"/v1/videos/{created}", {}),
+                                 ("DELETE", f"/v1/videos/{created}", {}), ("GET", "/v1/models", {}),
+                                 ("GET", "/v1/stats", {})]:
+        refused = httpx.request(method, f"{url}{path}", params={"n": 2}, timeout=30, **kwargs)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "n", (path, refused.text)
+        assert "unknown query parameter" in error["message"] and "accepted: none" in error["message"]
+    assert len(httpx.get(f"{url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"]) == before
+    assert httpx.get(f"{url}/v1/videos/{created}", timeout=30).json()["status"] == "completed"  # not deleted
+
+
 def test_a_long_video_id_is_cut_in_every_message_that_echoes_it(url):
     long_id = "video_" + "x" * 5000
     for method, path in [("GET", ""), ("GET", "/content"), ("GET", "/content?variant=thumbnail"), ("DELETE", "")]:
