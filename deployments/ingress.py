@@ -47,6 +47,15 @@ INGRESS_SPARE_SLOTS = 4
 
 # OpenAI's video content variants served -> media type (no spritesheet)
 VIDEO_VARIANTS = {"video": "video/mp4", "thumbnail": "image/webp"}
+# GET /v1/videos's query parameters as /openapi.json shows them (read from the query string and
+# checked by Ingress.list_videos, whose messages name them: not FastAPI's coercion)
+LIST_QUERY = [
+    {"name": "limit", "in": "query", "required": False, "description": "jobs per page",
+     "schema": {"type": "integer", "minimum": 0, "maximum": 100, "default": 20}},
+    {"name": "after", "in": "query", "required": False, "description": "the previous page's last_id",
+     "schema": {"type": "string"}},
+    {"name": "order", "in": "query", "required": False, "description": "by created_at",
+     "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}}]
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
 EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
 VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
@@ -426,11 +435,10 @@ class Ingress:
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
         return (await self.submit_video(key_default_priority(body, request))).model_dump()
 
-    @api.get("/v1/videos")
-    async def http_list_videos(self, request: Request, after: str | None = None, limit: str | None = None,
-                               order: str | None = None):  # declared for /openapi.json; checked by list_videos
-        query_params(request, LIST_PARAMS)  # refuses unknown and repeated ones
-        return (await self.list_videos(limit, after, order)).model_dump()
+    @api.get("/v1/videos", openapi_extra={"parameters": LIST_QUERY})
+    async def http_list_videos(self, request: Request):
+        params = query_params(request, LIST_PARAMS)  # refuses unknown and repeated ones
+        return (await self.list_videos(params.get("limit"), params.get("after"), params.get("order"))).model_dump()
 
     @api.get("/v1/videos/{video_id}", dependencies=NO_QUERY)
     async def http_video(self, video_id: str):

@@ -253,6 +253,9 @@ def test_list_pages_through_the_openai_client_and_refuses_bad_parameters(url):
         assert "limit must be an integer from 0 to 100" in message and "order must be one of asc, desc" in message
         with pytest.raises(BadRequestError, match="from 0 to 100"):
             client.videos.list(limit=-1)
+        listed = httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]["/v1/videos"]["get"]["parameters"]
+        assert {p["name"]: p["schema"]["type"] for p in listed} == {"limit": "integer", "after": "string",
+                                                                    "order": "string"}  # limit showed as a string
     finally:
         for video_id in created:
             poll(url, video_id)  # nothing of this test left in flight for the next
