@@ -164,8 +164,9 @@ class AdmissionGate:
     app whose requests in flight through this proxy have reached its admission limit.
 
     Limits and route prefixes are learned from :data:`ADMISSION_HEADER` on the app's responses
-    (the longest prefix matching a path wins); only the API routes (``<prefix>/v1/...``) are
-    gated, so requests to other apps and paths pass untouched. In flight: from the request's
+    (the longest prefix matching a path wins); only the API routes' POSTs (``<prefix>/v1/...``:
+    the requests that bring work) are gated, so reads, deletes and requests to other apps and
+    paths pass untouched. In flight: from the request's
     arrival here until its response has been sent or the client left. A limit is enforced only
     while confirmed: learned from an answer since the app last had nothing in flight here for
     :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it). Until an answer
@@ -218,7 +219,11 @@ class AdmissionGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        prefix = self.prefix_of(scope["path"])
+        # Only requests that bring work (POST: generations, edits, video jobs) are counted and
+        # refused: a read (GET /v1/stats, /v1/models, a job's status) or a DELETE queues nothing
+        # and takes one of the Ingress's spare slots for a moment (it was refused as "overloaded"
+        # exactly when an operator looked at /v1/stats).
+        prefix = self.prefix_of(scope["path"]) if scope.get("method") == "POST" else None
         if prefix is not None and not self.in_flight.get(prefix, 0):
             now = asyncio.get_running_loop().time()
             if now - self.idle_since.get(prefix, now) > ADMISSION_STALE_AFTER_IDLE_S:

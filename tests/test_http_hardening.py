@@ -166,7 +166,8 @@ def _app_of_limit_2_holding_its_api_until(release: asyncio.Event):
 def test_the_admission_gate_refuses_at_the_learned_limit():
     """The gate learns an app's limit and prefix from its answers' header, counts the API
     requests it forwards, answers 429 (envelope, Retry-After) at once at the limit, lets them
-    through again when one finishes, and leaves other paths and unknown apps alone."""
+    through again when one finishes, and leaves reads (a GET of /v1/models was refused as
+    overloaded at the limit), other paths and unknown apps alone."""
     assert parse_admission(admission_header(264, "", 17)[1]) == (264, "/", 17)
     assert parse_admission(b"8; prefix=/bs1/") == (8, "/bs1", 0)
     for malformed in (b"eight; prefix=/", b"8", b"8; prefix=/; epoch=x", b"8; prefix=/; other=1",
@@ -190,6 +191,8 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert envelope(refused)["code"] == "overloaded"
             assert (await c.get("/health")).status_code == 200  # not the API: passes
+            assert (await c.get("/v1/models")).status_code == 200  # a read brings no work: passes
+            assert gate.in_flight["/"] == 2
             release.set()
             answers = await asyncio.gather(*held, *more)
             assert [r.status_code for r in answers] == [200] * 4 and gate.in_flight["/"] == 0
