@@ -310,7 +310,8 @@ def writable_dir(directory: Path) -> Path:
 
 def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
     """The SDK arguments an image call takes from the CLI: ``size`` and the ``output_format`` of
-    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp); checks ``output`` can be written and that
+    ``output``'s suffix (PNG unless .jpg/.jpeg/.webp; another suffix is a :class:`UsageError`);
+    checks ``output`` can be written and that
     ``body`` (the ``extra_body``) leaves ``stream`` to the command. Raises ``OSError``,
     :class:`UsageError`."""
     nested = body.get("extra_body")
@@ -319,6 +320,9 @@ def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
         raise UsageError("--extra: stream is set by the command (--stream-previews DIR streams); leave it out")
     body.pop("stream", None)
     kwargs = {"size": size} if size else {}
+    if output.suffix and output.suffix.lower() not in SUFFIX_FORMATS:  # PNG bytes in a .gif was no answer
+        raise UsageError(f"-o {output}: the suffix names the image format; use one of "
+                         f"{', '.join(SUFFIX_FORMATS)} (or none, for PNG)")
     output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
     if output_format != "png":
         kwargs["output_format"] = output_format
@@ -629,7 +633,10 @@ def _with_preview_bar(ns, call):
 
     def run():
         try:
-            return call(show)
+            result = call(show)
+            for bar in bars:  # done: fewer previews than asked come when there are fewer steps
+                bar.total = bar.n
+            return result
         finally:
             for bar in bars:
                 bar.close()

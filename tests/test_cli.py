@@ -206,6 +206,21 @@ def test_stream_in_extra_is_refused_before_any_request(tmp_path, capsys):
         server.shutdown()
 
 
+def test_an_output_suffix_naming_no_image_format_is_refused_before_any_request(tmp_path, capsys):
+    """``-o out.gif`` wrote PNG bytes under a .gif name (and previews as partial-N.gif)."""
+    server = _Answering(200, "application/json", b"{}")
+    try:
+        (tmp_path / "in.png").write_bytes(b"")
+        for command in (["generate", "a"], ["edit", str(tmp_path / "in.png"), "a"]):
+            argv = [*command, "-o", str(tmp_path / "out.gif"), "--url", server.url]
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "out.gif: the suffix names the image format" in err and ".webp" in err, err
+        assert server.posts == 0
+    finally:
+        server.shutdown()
+
+
 def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, capsys, monkeypatch):
     """Ctrl-C left the job running on the server (and printed a traceback). The progress bar,
     drawn once the first poll answers, is where the Ctrl-C lands here."""

@@ -151,3 +151,8 @@ def test_cli_streams_and_saves_previews(url, tmp_path, capsys):
     assert Image.open(out).size == (64, 64)
     assert sorted(p.name for p in previews.iterdir()) == ["partial-0.png", "partial-1.png", "partial-2.png"]
     assert "previews: 4/4" in capsys.readouterr().err  # the progress bar saw every event
+    # 2 steps give one preview: the bar ends full (it stayed at 2/4)
+    assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x64", "--steps", "2",
+                 "--stream-previews", str(tmp_path / "few")]) == 0
+    assert sorted(p.name for p in (tmp_path / "few").iterdir()) == ["partial-0.png"]
+    assert "previews: 2/2" in capsys.readouterr().err
