@@ -167,7 +167,7 @@ class AdmissionGate:
     (the longest prefix matching a path wins); only the API routes' POSTs (``<prefix>/v1/...``:
     the requests that bring work) are gated, so reads, deletes and requests to other apps and
     paths pass untouched. In flight: from the request's
-    arrival here until its response has been sent or the client left. A limit is enforced only
+    arrival here until its response's last body message is handed on or the client left. A limit is enforced only
     while confirmed: learned from an answer since the app last had nothing in flight here for
     :data:`ADMISSION_STALE_AFTER_IDLE_S` (a redeploy may have changed it). Until an answer
     confirms it again, requests pass to Serve: the Ingress takes a few more than the limit
@@ -235,21 +235,32 @@ class AdmissionGate:
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
-        if prefix is not None:
+        counted = prefix is not None
+        if counted:
             self.in_flight[prefix] = self.in_flight.get(prefix, 0) + 1
+
+        def release() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.in_flight[prefix] -= 1
+                if not self.in_flight[prefix]:
+                    self.idle_since[prefix] = asyncio.get_running_loop().time()
 
         async def learn(message):
             if message["type"] == "http.response.start":
                 self.learn_from(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The slot is free before the client can read the answer's end: a client that
+                # sends its next request on reading it (a refused one retried, a sequential
+                # caller) was refused by its own finished request while Serve's handler wound down.
+                release()
             await send(message)
 
         try:
             await self.app(scope, receive, learn)
         finally:
-            if prefix is not None:
-                self.in_flight[prefix] -= 1
-                if not self.in_flight[prefix]:
-                    self.idle_since[prefix] = asyncio.get_running_loop().time()
+            release()
 
 
 class IdleFullCollection:

@@ -201,6 +201,57 @@ def test_the_admission_gate_refuses_at_the_learned_limit():
     asyncio.run(run())
 
 
+def test_the_admission_gate_frees_a_slot_before_the_client_reads_the_answer_end():
+    """A request's slot is free when its last body message is handed on, not when Serve's
+    handler returns after it: a client that sends its next request on reading an answer (a
+    sequential caller at the limit) was refused by its own finished request (seen as a 429 for
+    an interactive request right after a refused one, in CI)."""
+    linger = asyncio.Event()
+
+    async def app(scope, receive, send):  # answers, then winds down for a while, as Serve's handler may
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), admission_header(1, "", 1)]})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        await send({"type": "http.response.body", "body": b"}"})
+        await linger.wait()
+
+    gate = AdmissionGate(app)
+
+    async def run():
+        seen = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            seen.append((message["type"], message.get("more_body", False), dict(gate.in_flight)))
+
+        async def request():
+            scope = {"type": "http", "method": "POST", "path": "/v1/images/generations", "query_string": b"",
+                     "headers": []}
+            await gate(scope, receive, send)
+
+        learned = asyncio.ensure_future(request())  # teaches the limit 1 (nothing counted yet)
+        await asyncio.sleep(0.05)
+        linger.set()
+        await learned
+        linger.clear()
+        seen.clear()
+        first = asyncio.ensure_future(request())
+        await asyncio.sleep(0.05)
+        assert not first.done()  # the app is still winding down
+        assert seen == [("http.response.start", False, {"/": 1}), ("http.response.body", True, {"/": 1}),
+                        ("http.response.body", False, {"/": 0})]  # freed before the answer's end goes out
+        second = asyncio.ensure_future(request())  # at the limit 1, the first's answer read
+        await asyncio.sleep(0.05)
+        assert seen[3] == ("http.response.start", False, {"/": 1})  # not a 429: passed to the app
+        linger.set()
+        await asyncio.gather(first, second)
+        assert gate.in_flight["/"] == 0  # each counted out once
+
+    asyncio.run(run())
+
+
 def test_the_admission_gate_enforces_a_limit_learned_before_an_idle_spell_only_once_confirmed(monkeypatch):
     """An app redeployed with a higher limit while nothing was in flight: the first burst is not
     refused at the old limit (it was: 6 of 12 requests answered 429 by the proxy, the new app
