@@ -15,7 +15,7 @@ from deployments.router import Router
 SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ingress
 # Backpressure in front of the Router. The Ingress takes as many requests at once as the app
 # admits (admission_limit, the Router refusing beyond it) and INGRESS_SPARE_SLOTS more; at most
-# INGRESS_PROXY_QUEUE more wait at the door, in Serve's proxy,
+# as many more (at least INGRESS_PROXY_QUEUE: ingress_slots) wait at the door, in Serve's proxy or a caller's handle,
 # for a slot; past that Serve's proxy refuses (429 + Retry-After, made an envelope by
 # deployments.proxy). Once the proxy's AdmissionGate has seen the app's limit in an answer, it
 # refuses at admission_limit itself, before Serve asks the Ingress replica (the cheaper refusal);
@@ -34,6 +34,20 @@ def admission_limit(config: AppConfig) -> int:
     from it; its answers name it for the proxy's gate until the Router's live knobs replace it."""
     return admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size,
                               config.replica.most_replicas)
+
+
+def ingress_slots(limit: int) -> dict[str, int]:
+    """The Ingress's Serve options for an app admitting ``limit`` requests at once:
+    ``max_ongoing_requests`` ``limit`` + :data:`~deployments.ingress.INGRESS_SPARE_SLOTS`, and
+    ``max_queued_requests`` as many (at least :data:`INGRESS_PROXY_QUEUE`). Serve counts a
+    caller's requests as queued until each is assigned a slot, per caller's handle: a burst of
+    handle calls from one Ray job (or HTTP requests through one proxy) larger than
+    ``max_queued_requests`` gets Serve's ``BackPressureError`` (HTTP: 429) for the excess before
+    the Router sees it. With 32, a burst of 60 handle calls to an app admitting 72 lost 28 that
+    way; sized like the slots, only a burst beyond what the app admits can, where the Router
+    answers ``OverloadedError`` (429) for the rest anyway."""
+    slots = limit + INGRESS_SPARE_SLOTS
+    return {"max_ongoing_requests": slots, "max_queued_requests": max(INGRESS_PROXY_QUEUE, slots)}
 
 
 def replica_counts(options: dict, config: AppConfig) -> tuple[int, int]:
@@ -110,8 +124,7 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
             "Ingress": {"ray_actor_options": light,
                         "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
-                        "max_ongoing_requests": admission_limit(config) + INGRESS_SPARE_SLOTS,
-                        "max_queued_requests": INGRESS_PROXY_QUEUE,
+                        **ingress_slots(admission_limit(config)),
                         "backpressure_config": {"status_code": 429, "retry_after_s": 1}}}
 
 
@@ -145,8 +158,9 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         options[name] = {**built, **entry}
     initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
     limit = admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size, most_replicas)
-    if not any(entry["name"] == "Ingress" and "max_ongoing_requests" in entry for entry in deployments or ()):
-        options["Ingress"]["max_ongoing_requests"] = limit + INGRESS_SPARE_SLOTS  # a DiTReplica count given there
+    given = {key for entry in deployments or () if entry["name"] == "Ingress" for key in entry}
+    # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values stand
+    options["Ingress"].update({key: value for key, value in ingress_slots(limit).items() if key not in given})
     acceleration = config.acceleration.model_dump()
     if not (acceleration["torch_compile"] or acceleration["warmup"]):
         # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.

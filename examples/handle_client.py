@@ -24,7 +24,9 @@ The request dict has the fields of ``POST /v1/images/generations`` (README, "Req
 the result is an ``ImageGenerationResponse``: ``data[i].b64_json`` (PNG) and the ``ditserve``
 metadata block. Errors: ``InvalidRequestError`` (400), ``ModelNotFoundError`` (404),
 ``OverloadedError`` (429), ``RequestTimeoutError`` (504), ``ServiceUnavailableError`` (503),
-``InternalError`` (500), all subclasses of ``pipeline.errors.DitServeError``.
+``InternalError`` (500), all subclasses of ``pipeline.errors.DitServeError``; a burst of more
+calls at once than the Ingress's ``max_queued_requests`` (the admission limit + 4) gets Serve's
+own ``ray.serve.exceptions.BackPressureError`` for the excess.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from pipeline.errors import DitServeError, InvalidRequestError
 
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             result = response.result()
         except DitServeError as exc:  # e.g. OverloadedError when the router's queue is full
             print(f"{error_name(exc)} ({exc.status_code}): {exc.message}")
+            continue
+        except BackPressureError as exc:  # more calls at once than the Ingress's max_queued_requests
+            print(f"BackPressureError (retry later): {exc}")
             continue
         path.write_bytes(base64.b64decode(result.data[0].b64_json))
         meta = result.ditserve

@@ -75,7 +75,10 @@ def test_a_deployments_entry_replica_count_sizes_admission(args, deployments, mo
     router = ingress.init_args[0]._bound_deployment
     limit = 256 + 8 * most_replicas  # max_queued_requests + a batch of max_batch_size per replica (defaults)
     assert (ingress.init_args[1]["admission_limit"], ingress.init_args[1]["most_replicas"]) == (limit, most_replicas)
-    assert ingress.max_ongoing_requests == limit + 4
+    # a handle's burst as large as the slots is not refused by Serve's queue bound before the Router
+    assert (ingress.max_ongoing_requests, ingress.max_queued_requests) == (limit + 4, limit + 4)
     assert router.init_args[1] == initial_replicas
     kept = bind_app(args, [*deployments, {"name": "Ingress", "max_ongoing_requests": 77}])._bound_deployment
-    assert kept.max_ongoing_requests == 77  # the file's own value stands
+    assert (kept.max_ongoing_requests, kept.max_queued_requests) == (77, limit + 4)  # the file's own value stands
+    kept = bind_app(args, [*deployments, {"name": "Ingress", "max_queued_requests": 5}])._bound_deployment
+    assert (kept.max_ongoing_requests, kept.max_queued_requests) == (limit + 4, 5)

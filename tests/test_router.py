@@ -79,6 +79,17 @@ def test_batches_are_signature_homogeneous_and_every_request_answered_once(deplo
     assert stats(url)["queue_depth"] == {}
 
 
+def test_a_burst_of_handle_calls_within_the_admission_limit_is_served(deploy):
+    """60 handle calls sent at once from one driver, to an app admitting 72 (64 queued + a batch of
+    4 per replica): each gets its image (28 got Serve's BackPressureError: the Ingress's
+    max_queued_requests was 32, and Serve counts a handle's calls as queued until each is assigned)."""
+    deploy(TWO_REPLICAS)
+    handle = serve.get_app_handle("ditserve")
+    calls = [handle.generate.remote({"prompt": f"burst {i}", "seed": i, **FAST}) for i in range(60)]
+    answers = [call.result(timeout_s=300) for call in calls]
+    assert [a.ditserve.seed for a in answers] == list(range(60))
+
+
 def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
     """``max_wait_ms`` of ten minutes: a lone request at an idle deployment is dispatched at
     once (it would otherwise time out at its 60 s deadline); a request that comes while a
