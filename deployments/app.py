@@ -169,9 +169,11 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
     replica = DiTReplica.options(**options["DiTReplica"]).bind(
         config.model.model_dump(), config.replica.torch_threads, acceleration, config.limits.model_dump(),
         config.parallel.model_dump(), config.replica.rank_resources, config.replica.cpu_nice)
-    router = Router.options(**options["Router"]).bind(replica, initial_replicas,
-                                                      config.videos.model_dump(), config.replica.routing_nice)
+    router = Router.options(**options["Router"]).bind(replica, initial_replicas, config.videos.model_dump(),
+                                                      config.replica.routing_nice, config.batching.model_dump())
     ingress_config = {**config.model_dump(exclude={"acceleration", "batching", "videos"}),
+                      # args' request defaults: what an acceleration user_config leaves out keeps
+                      "acceleration": config.acceleration.model_dump(),
                       "admission_limit": limit,  # what the proxy's AdmissionGate admits
                       "most_replicas": most_replicas,  # for the live limit (Router's knobs)
                       "routing_nice": config.replica.routing_nice}

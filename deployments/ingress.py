@@ -182,7 +182,7 @@ class Ingress:
         get the checks of the config file (``AccelerationConfig``, the default kernel on this
         model's device, dtype and ring degree, ``lora_registry``); an update that fails them is
         refused and the settings in force stay (``deployments.live_config``; at start it raises
-        ``ValueError``)."""
+        ``ValueError``). An acceleration field the update leaves out keeps ``args``' value."""
         await self._live.apply(user_config, self._apply_user_config)
 
     def _apply_user_config(self, user_config: dict) -> None:
@@ -190,7 +190,9 @@ class Ingress:
             user_config = {"acceleration": user_config}
         defaults, loras = self._defaults, self._loras
         if "acceleration" in user_config:
-            acceleration = AccelerationConfig.model_validate(user_config["acceleration"] or {})
+            # a field the update leaves out keeps args' value (it took AccelerationConfig's default)
+            acceleration = AccelerationConfig.model_validate({**(self._config.get("acceleration") or {}),
+                                                              **(user_config["acceleration"] or {})})
             model, parallel = self._config["model"], self._config.get("parallel") or {}
             problem = default_kernel_problem(acceleration.attention_backend, model["device"], model["dtype"],
                                              int(parallel.get("ring_degree", 1)))

@@ -91,7 +91,8 @@ class Router:
     ``capacity``: batches that may run at once while the replica set is not yet known.
     """
 
-    def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0):
+    def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0,
+                 batching: dict | None = None):
         os.nice(routing_nice)  # below the proxy, which answers refusals (replica.routing_nice)
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
@@ -99,7 +100,8 @@ class Router:
         videos = dict(videos or {})
         self._video_previews = int(videos.pop("previews", 0))  # preview frames a running job decodes
         self._jobs = VideoJobs(JobStore(**videos), self._wait)
-        self.reconfigure_batching(BatchingConfig().model_dump())
+        self._args_batching = dict(batching or {})  # args' knobs: what a user_config leaves out keeps
+        self.reconfigure_batching(BatchingConfig.model_validate(self._args_batching).model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._queued_by_priority = Tally()  # queued requests per priority (the queue-depth gauge)
@@ -148,11 +150,14 @@ class Router:
                                            tag_keys=("scope",))
 
     async def reconfigure(self, batching: dict) -> None:
-        """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed; knobs
-        that fail ``BatchingConfig`` are refused, those in force stay (``deployments.live_config``;
-        at start they raise ``ValidationError``)."""
+        """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed; a knob
+        the ``user_config`` leaves out takes ``args``' value (``batching``, as built; it took
+        ``BatchingConfig``'s default: a ``max_wait_ms``-only update ran ``max_batch_size`` 8 where
+        ``args`` said 2). Knobs that fail ``BatchingConfig`` are refused, those in force stay
+        (``deployments.live_config``; at start they raise ``ValidationError``)."""
         def apply(knobs: dict) -> None:
-            self.reconfigure_batching(BatchingConfig.model_validate(knobs).model_dump())
+            merged = {**self._args_batching, **(knobs or {})}
+            self.reconfigure_batching(BatchingConfig.model_validate(merged).model_dump())
             self._wakeup.set()
         await self._live.apply(batching, apply)
 

@@ -432,7 +432,8 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
     what the Ingress takes (its ``max_ongoing_requests`` less 4 spare slots), then, once the file
     raises that too (a live update as well), the Router's whole limit; a DiTReplica count the
     file's ``deployments`` section raises counts too (args said 1: the limit stayed at 1's)."""
-    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
+           "acceleration": {"cfg_gate_step": 0.5}}
     small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
         serve.delete("ditserve")
@@ -473,6 +474,19 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         _deploy_config(one, {**one["batching"], "max_batch_size": 8},
                        ({"name": "Ingress", "max_ongoing_requests": 80 + 4}, {"name": "DiTReplica", "num_replicas": 2}))
         wait_until(lambda: admission()["admission_limit"] == 80, timeout=60)
+        # an update naming some knobs keeps args' values for the others (they took the defaults:
+        # a max_wait_ms-only update ran max_batch_size 8 where args said 4; an Ingress update of
+        # attention_backend alone dropped args' cfg_gate_step)
+        _deploy_config(one, {"max_wait_ms": 15},
+                       ({"name": "Ingress", "max_ongoing_requests": 80 + 4,
+                         "user_config": {"acceleration": {"attention_backend": "torch_sdpa"}}},
+                        {"name": "DiTReplica", "num_replicas": 2}))
+        wait_until(lambda: stats(url)["batching"]["max_wait_ms"] == 15, timeout=60)
+        assert {k: stats(url)["batching"][k] for k in ("max_batch_size", "max_queued_requests")} == {
+            "max_batch_size": 4, "max_queued_requests": 64}
+        gated = lambda: post(url, {"prompt": "gated", "seed": 1, **FAST}).json()["ditserve"]  # noqa: E731
+        wait_until(lambda: gated()["acceleration"]["attention_backend"] == "torch_sdpa", timeout=60)
+        assert gated()["acceleration"]["cfg_gate"]["gate_step"] == 0.5  # args' default, kept
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 
