@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import AppConfig, admission_limit_of, with_env_overrides
+from deployments.config import (AccelerationConfig, AppConfig, BatchingConfig, admission_limit_of, lora_registry,
+                                validation_line, with_env_overrides)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -136,6 +138,32 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     return bind_app(args)
 
 
+def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
+    """Check a ``deployments`` entry's ``user_config`` as the deployment would at start (where
+    a bad one fails the deploy with a replica's traceback): the Router's batching knobs over
+    ``args``' (``BatchingConfig``), the Ingress's acceleration defaults over ``args``'
+    (``AccelerationConfig``) and adapter registry, DiTReplica's adapter registry. Raises
+    ``ValueError`` naming the deployment and the field."""
+    if user_config is None:
+        return
+    if not isinstance(user_config, dict):
+        raise ValueError(f"deployments: {name}'s user_config must be a mapping")
+    try:
+        if name == "Router":
+            BatchingConfig.model_validate({**config.batching.model_dump(), **user_config})
+        elif name == "Ingress":
+            nested = "acceleration" in user_config or "loras" in user_config
+            acceleration = user_config.get("acceleration") if nested else user_config
+            AccelerationConfig.model_validate({**config.acceleration.model_dump(), **(acceleration or {})})
+            lora_registry(user_config.get("loras") or {} if nested else {})
+        elif name == "DiTReplica":
+            lora_registry(user_config.get("loras") or {})
+    except ValidationError as exc:
+        raise ValueError(f"deployments: {name}'s user_config: {validation_line(exc)}") from None
+    except ValueError as exc:
+        raise ValueError(f"deployments: {name}'s user_config: {exc}") from None
+
+
 def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | None = None) -> Application:
     """:func:`build_app` with ``deployments``: a Serve config file's ``deployments`` entries
     (``{"name": ..., option: value}``, Serve's ``DeploymentSchema``), each option replacing the
@@ -150,6 +178,7 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         if name not in options:
             raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
                              f"{', '.join(sorted(options))}")
+        check_entry_user_config(name, entry.get("user_config"), config)
         built = dict(options[name])
         if "autoscaling_config" in entry or entry.get("num_replicas") == "auto":
             built.pop("num_replicas", None)  # Serve takes the entry's count over the built one, either way

@@ -9,19 +9,23 @@ import errno
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import tempfile
 import time
+import typing
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+import pydantic
 import yaml
 
 from compat.ray_serve import gcs_refusal
+from deployments.config import validation_line
 from deployments.proxy import install as install_proxy_middleware
 from pipeline.contract.text import shown
 from parallel.groups import free_port
@@ -30,19 +34,72 @@ APP_NAME = "ditserve"
 DEMO_PROMPT = "a red circle on a blue background"
 
 
+def _model_in(annotation) -> type[pydantic.BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``Optional[X]``, ``List[X]``, ...), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    for inner in typing.get_args(annotation):
+        found = _model_in(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def unknown_keys(value, model: type[pydantic.BaseModel], where: str = "") -> list[str]:
+    """The keys of ``value`` (a config file's mapping) ``model`` has no field for, as dotted
+    paths, through the nested models and lists of them. Ray Serve's schema ignores them (a
+    misspelt ``num_replica`` in a ``deployments`` entry was dropped without a word)."""
+    if isinstance(value, list):
+        return [key for i, item in enumerate(value) for key in unknown_keys(item, model, f"{where}[{i}]")]
+    if not isinstance(value, dict) or model.model_config.get("extra") == "allow":
+        return []
+    fields = {}
+    for name, info in model.model_fields.items():
+        fields[name] = fields[info.alias or name] = info
+    unknown = []
+    for key, item in value.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            unknown.append(path)
+        elif (inner := _model_in(fields[key].annotation)) is not None:
+            unknown.extend(unknown_keys(item, inner, path))
+    return unknown
+
+
 def load_serve_config(path: str | Path) -> dict:
-    """Read a Serve config file, validate it with Ray Serve's own ``ServeDeploySchema`` and
-    return the ``ditserve`` application's entry (``args``, ``route_prefix``, ``deployments``: its
-    ``deployments`` section's entries, as given) and ``http_options``. Raises ``ValueError`` if the file has no ditserve application."""
+    """Read a Serve config file, validate it with Ray Serve's own ``ServeDeploySchema`` (and
+    refuse the keys that schema would ignore) and return the ``ditserve`` application's entry
+    (``args``, ``route_prefix``, ``deployments``: its ``deployments`` section's entries, as
+    given) and ``http_options``. Raises :class:`CannotStart` (one line naming the file and the
+    field) for a file that cannot be read, is not YAML, fails the schema, has a key the schema
+    does not know or has no ditserve application."""
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(yaml.safe_load(Path(path).read_text()))
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise CannotStart(f"cannot read the config file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or _first_line(exc)
+        raise CannotStart(f"{path} is not valid YAML{at}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise CannotStart(f"{path}: a Serve config file is a mapping with an 'applications' list")
+    try:
+        schema = ServeDeploySchema.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise CannotStart(f"{path}: {validation_line(exc)}") from None
+    unknown = unknown_keys(raw, ServeDeploySchema)
+    if unknown:
+        raise CannotStart(f"{path}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                          "(Ray Serve's config schema has no such field)")
     for app in schema.applications:
         if app.import_path == "deployments.app:build_app":
             return {"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
                     "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
                     "http_options": schema.http_options.model_dump()}
-    raise ValueError(f"{path}: no application with import_path deployments.app:build_app")
+    raise CannotStart(f"{path}: no application with import_path deployments.app:build_app")
 
 
 @dataclass(frozen=True)
@@ -126,7 +183,7 @@ def _port_free(host: str, port: int) -> None:
 
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
               num_cpus: int | None = None, address: str | None = "local",
-              deployments: list[dict] | None = None) -> Served:
+              deployments: list[dict] | None = None, on_wait=None) -> Served:
     """Deploy the app (``bind_app(args, deployments)``: ``deployments``, a config file's
     per-deployment options) as application ``name`` at ``route_prefix``.
 
@@ -136,8 +193,12 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     already runs, Serve keeps its HTTP options: ``Served`` holds the ones it listens on
     (``host``/``port`` are then ignored). Raises :class:`CannotStart` (one line) when the port is
     taken, no cluster answers at ``address`` or it refuses this process (token authentication),
-    an application named ``name`` runs there already (it is not replaced), or Serve refuses the
-    application (a route prefix in use)."""
+    an application named ``name`` runs there already (it is not replaced), Serve refuses the
+    application (a route prefix in use), ``args`` or ``deployments`` are bad (checked before any
+    cluster starts) or the application fails to deploy (a replica's constructor raised: the
+    exception's line). ``on_wait(line)``, if given, is called with each new status message Serve
+    gives a deployment still starting after :data:`DEPLOY_QUIET_S` seconds (replicas waiting for
+    resources the cluster lacks: the deploy waits for them, as Serve does)."""
     import ray
     from ray import serve
     from ray.serve.exceptions import RayServeException
@@ -145,6 +206,12 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     from compat.ray_serve import http_options, serve_running
     from deployments.app import bind_app
 
+    try:  # checked before any cluster starts: bad args or a bad deployments entry is one line at once
+        app = bind_app(args, deployments)
+    except pydantic.ValidationError as exc:
+        raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
+    except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
+        raise CannotStart(f"bad config: {_first_line(exc)}") from None
     joined = ray.is_initialized() or address != "local"
     if not ray.is_initialized():
         if address == "local":
@@ -153,7 +220,12 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
             _gcs_reachable(address)
         install_proxy_middleware()  # a cluster started here: its proxy answers its own errors in OpenAI's envelope
         try:
+            handler = signal.getsignal(signal.SIGTERM)
             ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
+            if callable(handler) and threading.current_thread() is threading.main_thread():
+                # ray.init puts its own SIGTERM handler (it logs and dies) over the caller's
+                # (`ditserve serve`'s, which stops and cleans up): the caller's is put back
+                signal.signal(signal.SIGTERM, handler)
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
             said = _first_line(exc)
             if not _sends_token():  # Ray sends no token to an explicit address unless asked
@@ -170,15 +242,89 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         serve.start(http_options={"host": host, "port": port})
         listening = http_options()  # the running Serve's, when it ran before with others
         served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve)
+        watch = _DeployWatch(name, on_wait) if on_wait is not None else None
         try:
-            serve.run(bind_app(args, deployments), name=name, route_prefix=route_prefix, blocking=False)
+            serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
         except (RayServeException, ValueError) as exc:  # a route prefix in use, ...
             said = _first_line(exc)
             raise CannotStart(f"Serve refused application {name!r}: {said}") from None
+        except RuntimeError as exc:  # DEPLOY_FAILED: a replica's constructor or user_config raised
+            raise CannotStart(f"application {name!r} failed to deploy: {_why_failed(name, exc)}") from None
+        finally:
+            if watch is not None:
+                watch.stop()
         return served
     except BaseException:
         stop_app(served or Served(name, route_prefix, host, port, joined, started_serve), deployed=served is not None)
         raise
+
+
+DEPLOY_QUIET_S = 30.0  # a deploy still running after this long shows Serve's status messages
+
+
+class _DeployWatch:
+    """While ``serve.run`` waits for application ``name``, a thread reads ``serve.status()``
+    every few seconds once :data:`DEPLOY_QUIET_S` have passed and calls ``on_wait`` with each
+    new message of a deployment not yet healthy (e.g. Serve's "has 1 replicas that have taken
+    more than 30s to be scheduled ... Resources required for each replica: ..."): a deploy
+    waiting for resources printed nothing."""
+
+    def __init__(self, name: str, on_wait):
+        self.name, self.on_wait = name, on_wait
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="ditserve-deploy-watch", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        from ray import serve
+
+        said = set()
+        if self.done.wait(DEPLOY_QUIET_S):
+            return
+        while not self.done.is_set():
+            try:
+                app = serve.status().applications.get(self.name)
+            except Exception:  # noqa: BLE001 - the controller is starting or stopping: read again
+                app = None
+            for deployment, status in (app.deployments.items() if app is not None else ()):
+                message = " ".join((status.message or "").split())
+                if message and status.status != "HEALTHY" and (deployment, message) not in said:
+                    said.add((deployment, message))
+                    self.on_wait(f"{deployment}: {message}")
+            self.done.wait(5.0)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
+
+
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception))(?:\(.*\))?: (.+)$")
+
+
+def deploy_failure(message: str) -> str:
+    """One line for Serve's ``DEPLOY_FAILED`` message (``serve.run``'s ``RuntimeError``: a
+    count of failed starts, then a replica's whole traceback): the last exception line of the
+    traceback (``ValueError: ...``), else the message's first line."""
+    raised = [m.group(0) for line in message.splitlines() if (m := _RAISED.match(line.strip()))]
+    if raised:
+        return raised[-1]
+    return _first_line(RuntimeError(message))
+
+
+def _why_failed(name: str, exc: RuntimeError) -> str:
+    """Why application ``name`` failed to deploy, in one line: the first failed deployment's
+    status message (a replica's traceback) as :func:`deploy_failure` reads it, naming the
+    deployment; else ``serve.run``'s error ("Failed to update the deployments [...]")."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:  # noqa: BLE001 - the controller went: say what serve.run said
+        app = None
+    for deployment, status in (app.deployments.items() if app is not None else ()):
+        if status.status != "HEALTHY" and status.message:
+            return f"{deployment}: {deploy_failure(status.message)}"
+    return deploy_failure(str(exc))
 
 
 def stop_app(served: Served, deployed: bool = True) -> None:
@@ -460,17 +606,30 @@ class VideoJobFailed(RuntimeError):
 
 
 def _cmd_serve(ns) -> int:
-    config = load_serve_config(ns.config) if ns.config else {"name": APP_NAME, "args": {}, "route_prefix": "/",
-                                                               "http_options": {"host": "127.0.0.1", "port": 8000}}
-    http = config["http_options"]
-    host, port = ns.host or http["host"], ns.port or http["port"]
-    address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
+    stop = threading.Event()
+
+    def on_sigterm(*_) -> None:
+        if served is None:  # still starting: stop that (start_app undoes what it did), as Ctrl-C does
+            raise KeyboardInterrupt
+        stop.set()
+
+    served = None
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        config = load_serve_config(ns.config) if ns.config else {
+            "name": APP_NAME, "args": {}, "route_prefix": "/", "http_options": {"host": "127.0.0.1", "port": 8000}}
+        http = config["http_options"]
+        host, port = ns.host or http["host"], ns.port or http["port"]
+        address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
-                           route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"))
+                           route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
+                           on_wait=lambda line: print(f"waiting: {line}", file=sys.stderr, flush=True))
     except CannotStart as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted while starting", file=sys.stderr, flush=True)
+        return 130
     if served.joined:
         import ray
 
@@ -483,10 +642,9 @@ def _cmd_serve(ns) -> int:
     print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
           "Ctrl-C stops)",
           flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
+        while not stop.wait(1.0):  # a timeout: the wait returns to Python, where the signal handler runs
+            pass
     except KeyboardInterrupt:
         pass
     print("shutting down", flush=True)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from parallel.config import ParallelConfig, sharding_problems
 from parallel.kernels import default_kernel_rejections, kernel_names
@@ -346,6 +346,17 @@ class ReplicaConfig(_Strict):
         if self.autoscaling is None:
             return self.num_replicas
         return self.autoscaling.initial_replicas or self.autoscaling.min_replicas
+
+
+def validation_line(exc: ValidationError, where: str = "") -> str:
+    """A pydantic ``ValidationError`` as one line: each error's field (dotted, after ``where``)
+    and pydantic's message, ``; ``-separated (its ``str`` runs to many lines and starts with a
+    count: "1 validation error for AppConfig")."""
+    said = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in (where, *error.get("loc", ())) if part != "")
+        said.append(f"{field or 'config'}: {error.get('msg', 'invalid')}")
+    return "; ".join(said) or str(exc)
 
 
 def admission_limit_of(max_queued_requests: int, max_batch_size: int, replicas: int) -> int:

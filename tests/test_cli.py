@@ -452,3 +452,121 @@ def test_ctrl_c_in_a_client_command_is_one_line_and_exit_130(monkeypatch, capsys
             "video": ["video", "a star", "-o", str(tmp_path / "x.mp4")]}[command]
     assert cli.main(args) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def _tiny_cpu_config(mutate) -> dict:
+    """``configs/tiny-cpu.yaml`` as a dict, changed by ``mutate(config, app)``."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "configs" / "tiny-cpu.yaml").read_text())
+    mutate(config, config["applications"][0])
+    return config
+
+
+@pytest.mark.parametrize("mutate, said", [
+    (lambda c, a: a["args"]["batching"].update(max_batchsize=4), "args.batching.max_batchsize: Extra inputs"),
+    (lambda c, a: a["args"]["batching"].update(max_batch_size=0), "args.batching.max_batch_size: Input should be"),
+    (lambda c, a: a.update(deployments=[{"name": "Router", "user_config": {"max_batch_size": 0}}]),
+     "Router's user_config: max_batch_size: Input should be"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"acceleration": {"cfg_gate_step": 2}}}]),
+     "Ingress's user_config: cfg_gate_step: Input should be"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "num_replica": 2}]),
+     "unknown option applications[0].deployments[0].num_replica"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "ray_actor_options": {"num_cpu": 1}}]),
+     "unknown option applications[0].deployments[0].ray_actor_options.num_cpu"),
+    (lambda c, a: c.update(http_option={"port": 1}), "unknown option http_option"),
+    (lambda c, a: a.update(deployments=[{"name": "Routr", "user_config": {}}]), "no deployment named 'Routr'"),
+    (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
+])
+def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
+    """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the
+    ``deployments`` section, a bad Serve option) is one line naming the field, exit 1, before
+    ``ray.init``: bad args printed "1 validation error for AppConfig" after the cluster started, a
+    Router ``max_batch_size: 0`` a replica's 30-line traceback, ``num_replica`` was dropped silently."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(mutate)))
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+
+
+@pytest.mark.parametrize("text, said", [
+    (None, "cannot read the config file"),
+    ("applications:\n  - name: [\n", "is not valid YAML at line 3"),
+    ("- just a list\n", "a Serve config file is a mapping"),
+    ("applications:\n  - import_path: other.module:app\n", "no application with import_path deployments.app:build_app"),
+])
+def test_serve_config_files_that_are_not_one_are_one_line(tmp_path, capsys, monkeypatch, text, said):
+    """A missing file, bad YAML, a file of another shape or without the app: one line, exit 1
+    (each was a traceback)."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    path = tmp_path / "serve.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+
+
+@pytest.mark.slow
+def test_serve_names_why_a_replica_failed_to_deploy(tmp_path):
+    """A replica whose constructor raises (a sequence-parallel layout the model cannot take):
+    one line with the deployment and its exception, exit 1 (a 30-line traceback without it)."""
+    import yaml
+
+    def impossible_layout(c, a):
+        a["args"]["parallel"] = {"ulysses_degree": 3}  # tiny-flux has 4 heads
+        a["args"]["replica"].update(rank_resources={"CPU": 0.1}, max_constructor_retry_count=1)
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(impossible_layout)))
+    said = _serve_fails("--config", str(path), "--port", str(free_port("127.0.0.1")))
+    assert said.startswith("error: application 'ditserve' failed to deploy: DiTReplica: ValueError: bad parallel "
+                           "layout") and "parallel.ulysses_degree=3" in said, said
+
+
+@pytest.mark.slow
+def test_serve_says_what_a_pending_deploy_waits_for_and_stops_on_sigterm(tmp_path):
+    """A layout needing more CPUs than the cluster has: Serve's scheduling message is printed
+    (`waiting: DiTReplica: ... Resources required ...`; nothing was), and SIGTERM while it waits
+    stops the command and its cluster (the handler was installed only once deployed, and
+    ray.init's own replaced it before)."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    def too_big(c, a):
+        a["args"]["parallel"] = {"ulysses_degree": 2}
+        a["args"]["replica"]["rank_resources"] = {"CPU": 64}  # per rank; the local cluster has the machine's
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(too_big)))
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--config", str(path), "--port",
+                             str(free_port("127.0.0.1"))], env=_serve_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, waiting = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("waiting: DiTReplica: ") and "Resources required" in line:
+                waiting.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert waiting.wait(180), "".join(lines)[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+        reader.join(timeout=10)
+        assert lines[-1] == "interrupted while starting\n" and "Traceback" not in "".join(lines), "".join(lines)[-3000:]
+    finally:
+        proc.kill()
