@@ -93,7 +93,11 @@ def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[
 
 class GroupBroken(RuntimeError):
     """A batch left the replica's process group unusable: a rank died, or ranks failed
-    differently (some may be blocked in a collective). The replica must be replaced."""
+    differently (some may be blocked in a collective). The replica must be replaced.
+    ``rank_died``: the failing rank's actor was dead (``RayActorError``: killed, its process
+    or node lost), not an error its batch raised."""
+
+    rank_died: bool = False
 
 
 @ray.remote(concurrency_groups={"batch": 1, "control": 1})
@@ -236,6 +240,7 @@ class RankGroup:
         rank = 0 if failed[0] is rank0 else tasks.index(failed[0])
         broken = GroupBroken(f"rank {rank} failed during batch {batch.batch_id}: {type(_cause(first)).__name__}: "
                              f"{str(_cause(first))[:200]}")
+        broken.rank_died = isinstance(_cause(first), ray.exceptions.RayActorError)
         if rank0.done() and rank0.exception() is not None:  # rows rank 0 had dropped before it failed
             record_dropped_rows(broken, dropped_rows(rank0.exception()))
         raise broken

@@ -348,6 +348,15 @@ class DiTReplica:
             except Exception as exc:  # the batch failed: first name the rows that had left it (counted)
                 if isinstance(exc, GroupBroken):
                     self._break(str(exc))
+                    if exc.rank_died and boundaries[0] == 0:
+                        # A rank was dead before the batch, or died in its first step (rank 0 passes
+                        # no step boundary without the others): nothing of the batch ran, so it is
+                        # not its failure; the Router requeues it (at most MAX_REQUEUES times) to a
+                        # replica that works (a rank killed while the replica idled cost the next
+                        # batch a 500)
+                        raise ReplicaUnavailableError(
+                            f"replica {self._replica_id} is broken ({exc}); the batch was not run",
+                            code="replica_broken") from exc
                 rows = dropped_rows(exc)
                 if rows:
                     yield {"dropped": _by_request_id(batch, rows)}

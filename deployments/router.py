@@ -729,7 +729,8 @@ class Router:
                 for p in pending:
                     self._answer_unservable(p)
                 pending = []
-            elif not started and isinstance(cause, (ReplicaUnavailableError, RayActorError, ActorUnavailableError)):
+            elif isinstance(cause, ReplicaUnavailableError) or (  # the replica says it ran nothing of it
+                    not started and isinstance(cause, (RayActorError, ActorUnavailableError))):
                 chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again

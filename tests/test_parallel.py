@@ -252,3 +252,30 @@ def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout)
                 break
             time.sleep(2)
         assert r.status_code == 200 and r.json()["ditserve"]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_its_replica_idles_costs_the_next_batch_nothing(deploy):
+    """A rank actor killed between batches: the next batch finds the group broken before any
+    step ran, so the replica refuses it (and exits) and the Router requeues it to the
+    replacement; the request is answered 200 (it was 500 'batch failed')."""
+    url = deploy(SP2, fresh=True)
+    first = post_ok(url, {"prompt": "before", "seed": 1, "num_inference_steps": 2})
+    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
+    assert len(ranks) == 1
+    ray.kill(ray.get_actor(ranks[0]["name"], namespace=ranks[0]["namespace"]))
+    time.sleep(1.0)  # the actor is gone before the next batch is sent
+    r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "after", "seed": 2, "num_inference_steps": 2},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    meta = r.json()["ditserve"]
+    assert meta["world_size"] == 2 and meta["replica"] != first["ditserve"]["replica"]
+    stats = httpx.get(f"{url}/v1/stats", timeout=60).json()["router"]
+    assert stats["counters"].get("requeued", 0) >= 1 and stats["counters"].get("failed_batches", 0) == 0
+
+
+def post_ok(url: str, body: dict) -> dict:
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
