@@ -179,6 +179,19 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
             raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
                              f"{', '.join(sorted(options))}")
         check_entry_user_config(name, entry.get("user_config"), config)
+        given = entry.get("autoscaling_config")
+        if name == "DiTReplica" and isinstance(given, dict) and given.get("policy") is None:
+            # Serve's default policy (ongoing requests per replica: a DiTReplica takes one batch at a
+            # time) would replace the Router-queue policy args' autoscaling gets
+            target = given.get("target_queued_per_replica")
+            if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                       or not target > 0):
+                raise ValueError(f"deployments: DiTReplica's autoscaling_config.target_queued_per_replica must be "
+                                 f"a number > 0 (images queued per replica), got {target!r}")
+            if target is None and config.replica.autoscaling is not None:
+                target = config.replica.autoscaling.target_queued_per_replica
+            entry["autoscaling_config"] = autoscaling_config(
+                {k: v for k, v in given.items() if k != "policy"}, target or config.batching.max_batch_size)
         built = dict(options[name])
         if "autoscaling_config" in entry or entry.get("num_replicas") == "auto":
             built.pop("num_replicas", None)  # Serve takes the entry's count over the built one, either way

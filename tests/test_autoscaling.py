@@ -63,6 +63,35 @@ def test_config_becomes_serve_autoscaling_config_of_ditreplica():
     assert policy.policy_kwargs == {"target_queued_per_replica": 4}
 
 
+def test_a_deployments_entry_autoscaling_config_keeps_the_router_queue_policy():
+    """``ditserve serve --config`` with DiTReplica's ``autoscaling_config`` in the ``deployments``
+    section: the Router-queue policy, its target from the entry, args or ``max_batch_size`` (it was
+    Serve's default policy, which scales on ongoing requests: one batch per DiTReplica at most);
+    a policy the entry names stands."""
+    from deployments.app import bind_app
+
+    def replica_autoscaling(args, entry):
+        ingress = bind_app(args, [{"name": "DiTReplica", **entry}])._bound_deployment
+        replica = ingress.init_args[0]._bound_deployment.init_args[0]._bound_deployment
+        return replica._deployment_config.autoscaling_config
+
+    got = replica_autoscaling({"batching": {"max_batch_size": 4}},
+                              {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    assert (got.min_replicas, got.max_replicas) == (1, 3)
+    assert got.policy.policy_function == "deployments.autoscaling.RouterQueuePolicy"
+    assert got.policy.policy_kwargs == {"target_queued_per_replica": 4}
+    got = replica_autoscaling({}, {"autoscaling_config": {"max_replicas": 3, "target_queued_per_replica": 6}})
+    assert got.policy.policy_kwargs == {"target_queued_per_replica": 6}
+    got = replica_autoscaling({"replica": {"autoscaling": {"max_replicas": 2, "target_queued_per_replica": 5}}},
+                              {"autoscaling_config": {"max_replicas": 3}})
+    assert got.policy.policy_kwargs == {"target_queued_per_replica": 5}
+    named = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
+    got = replica_autoscaling({}, {"autoscaling_config": {"max_replicas": 3, "policy": named}})
+    assert got.policy.policy_function == named["policy_function"]
+    with pytest.raises(ValueError, match="target_queued_per_replica must be a number > 0"):
+        replica_autoscaling({}, {"autoscaling_config": {"max_replicas": 3, "target_queued_per_replica": 0}})
+
+
 def test_flux_4gpu_config_autoscales_whole_placement_groups():
     from deployments.cli import load_serve_config
 
