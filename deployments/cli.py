@@ -408,12 +408,23 @@ def _first_image(response, base_url: str) -> bytes:
     return _decoded(getattr(data[0], "b64_json", None), base_url, "data[0]")
 
 
+_PREVIEW_NAME = re.compile(r"partial-\d{1,2}\.(?:png|jpg|jpeg|webp)")
+
+
 def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None) -> dict:
     """Consume an image stream (``image_generation.*`` or ``image_edit.*`` events): each
     preview written to ``previews`` as ``partial-<index>.<suffix>``, the final image to
     ``output``; return the ``ditserve`` metadata. Raises :class:`BadAnswer` if the stream
-    ends without its ``completed`` event."""
+    ends without its ``completed`` event. Once the stream answers, an earlier run's previews
+    in ``previews`` (``partial-<index>.<png|jpg|jpeg|webp>``) are removed, so the directory
+    holds this request's only (a run with fewer previews left the others beside them)."""
+    fresh = False
     for event in events:
+        if not fresh:
+            fresh = True
+            for old in previews.glob("partial-*"):
+                if _PREVIEW_NAME.fullmatch(old.name) and old.is_file():
+                    old.unlink(missing_ok=True)
         if on_event is not None:
             on_event(event)
         kind = str(getattr(event, "type", "")).rpartition(".")[2]

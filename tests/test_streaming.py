@@ -156,3 +156,10 @@ def test_cli_streams_and_saves_previews(url, tmp_path, capsys):
                  "--stream-previews", str(tmp_path / "few")]) == 0
     assert sorted(p.name for p in (tmp_path / "few").iterdir()) == ["partial-0.png"]
     assert "previews: 2/2" in capsys.readouterr().err
+    # into the first run's directory: its previews go (partial-1, -2 stayed beside the new -0),
+    # other files stay
+    (previews / "notes.txt").write_text("mine")
+    (previews / "partial-0.jpg").write_bytes(b"an older run's jpeg")
+    assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x64", "--steps", "2",
+                 "--stream-previews", str(previews)]) == 0
+    assert sorted(p.name for p in previews.iterdir()) == ["notes.txt", "partial-0.png"]
