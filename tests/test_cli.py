@@ -570,3 +570,24 @@ def test_serve_says_what_a_pending_deploy_waits_for_and_stops_on_sigterm(tmp_pat
         assert lines[-1] == "interrupted while starting\n" and "Traceback" not in "".join(lines), "".join(lines)[-3000:]
     finally:
         proc.kill()
+
+
+def test_the_video_bar_is_drawn_with_the_job_status(tmp_path, capsys, monkeypatch):
+    """The progress bar's first frame names the job's status (it was drawn with an empty label,
+    then relabelled)."""
+    import tqdm
+
+    made = []
+
+    def recording(*args, **kwargs):
+        made.append(kwargs)
+        raise KeyboardInterrupt  # the first frame is all this test needs
+
+    monkeypatch.setattr(tqdm, "tqdm", recording)
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
+    finally:
+        server.shutdown()
+    assert made and made[0]["desc"] == "queued"
