@@ -617,6 +617,15 @@ class VideoJobFailed(RuntimeError):
 
 
 def _cmd_serve(ns) -> int:
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return _serve_until_stopped(ns)
+    finally:  # the process's own handler again (main() may be called in a longer-lived process)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _serve_until_stopped(ns) -> int:
+    """``ditserve serve``: start the app, wait for Ctrl-C or SIGTERM (also while it starts), stop it."""
     stop = threading.Event()
 
     def on_sigterm(*_) -> None:
