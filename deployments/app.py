@@ -7,8 +7,8 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import (AccelerationConfig, AppConfig, BatchingConfig, admission_limit_of, lora_registry,
-                                validation_line, with_env_overrides)
+from deployments.config import (AccelerationConfig, AppConfig, BatchingConfig, admission_limit_of,
+                                default_kernel_problem, lora_registry, validation_line, with_env_overrides)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -138,6 +138,28 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     return bind_app(args)
 
 
+def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict:
+    """``entry`` with a DiTReplica ``autoscaling_config`` that names no ``policy`` given the
+    Router-queue one (``RouterQueuePolicy``: its ``target_queued_per_replica``, else ``args``',
+    else ``max_batch_size``): Serve's default policy counts ongoing requests, and a DiTReplica
+    takes one batch at a time. Raises ``ValueError`` for a bad target, pydantic's
+    ``ValidationError`` for bad Serve fields."""
+    given = entry.get("autoscaling_config")
+    if name != "DiTReplica" or not isinstance(given, dict) or given.get("policy") is not None:
+        return entry
+    target = given.get("target_queued_per_replica")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
+        raise ValueError(f"deployments: DiTReplica's autoscaling_config.target_queued_per_replica must be "
+                         f"a number > 0 (images queued per replica), got {target!r}")
+    if target is None and config.replica.autoscaling is not None:
+        target = config.replica.autoscaling.target_queued_per_replica
+    fields = {k: v for k, v in given.items() if k != "policy"}
+    return {**entry, "autoscaling_config": autoscaling_config(fields, target or config.batching.max_batch_size)}
+
+
+USER_CONFIG_KEYS = {"Ingress": {"acceleration", "loras"}, "DiTReplica": {"loras"}}  # the Router's: its knobs
+
+
 def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
     """Check a ``deployments`` entry's ``user_config`` as the deployment would at start (where
     a bad one fails the deploy with a replica's traceback): the Router's batching knobs over
@@ -148,19 +170,31 @@ def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
         return
     if not isinstance(user_config, dict):
         raise ValueError(f"deployments: {name}'s user_config must be a mapping")
+    nested = name != "Ingress" or "acceleration" in user_config or "loras" in user_config
+    allowed = USER_CONFIG_KEYS.get(name)
+    unknown = sorted(str(k) for k in user_config if k not in allowed) if allowed and nested else []
+    if unknown:  # beside the nested form, a flat acceleration field was ignored
+        raise ValueError(f"deployments: {name}'s user_config has no {', '.join(unknown)} (it takes "
+                         f"{', '.join(sorted(allowed))})")
+    for key in ("acceleration", "loras") if name != "Router" else ():
+        if nested and user_config.get(key) is not None and not isinstance(user_config[key], dict):
+            raise ValueError(f"deployments: {name}'s user_config.{key} must be a mapping")
     try:
         if name == "Router":
             BatchingConfig.model_validate({**config.batching.model_dump(), **user_config})
         elif name == "Ingress":
-            nested = "acceleration" in user_config or "loras" in user_config
-            acceleration = user_config.get("acceleration") if nested else user_config
-            AccelerationConfig.model_validate({**config.acceleration.model_dump(), **(acceleration or {})})
+            given = user_config.get("acceleration") if nested else user_config
+            acceleration = AccelerationConfig.model_validate({**config.acceleration.model_dump(), **(given or {})})
+            problem = default_kernel_problem(acceleration.attention_backend, config.model.device, config.model.dtype,
+                                             config.parallel.ring_degree)
+            if problem:
+                raise ValueError(problem)
             lora_registry(user_config.get("loras") or {} if nested else {})
         elif name == "DiTReplica":
             lora_registry(user_config.get("loras") or {})
     except ValidationError as exc:
         raise ValueError(f"deployments: {name}'s user_config: {validation_line(exc)}") from None
-    except ValueError as exc:
+    except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"deployments: {name}'s user_config: {exc}") from None
 
 
@@ -179,30 +213,28 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
             raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
                              f"{', '.join(sorted(options))}")
         check_entry_user_config(name, entry.get("user_config"), config)
-        given = entry.get("autoscaling_config")
-        if name == "DiTReplica" and isinstance(given, dict) and given.get("policy") is None:
-            # Serve's default policy (ongoing requests per replica: a DiTReplica takes one batch at a
-            # time) would replace the Router-queue policy args' autoscaling gets
-            target = given.get("target_queued_per_replica")
-            if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                                       or not target > 0):
-                raise ValueError(f"deployments: DiTReplica's autoscaling_config.target_queued_per_replica must be "
-                                 f"a number > 0 (images queued per replica), got {target!r}")
-            if target is None and config.replica.autoscaling is not None:
-                target = config.replica.autoscaling.target_queued_per_replica
-            entry["autoscaling_config"] = autoscaling_config(
-                {k: v for k, v in given.items() if k != "policy"}, target or config.batching.max_batch_size)
+        try:
+            entry = _with_router_queue_policy(name, entry, config)
+        except ValidationError as exc:
+            raise ValueError(f"deployments: {name}'s autoscaling_config: {validation_line(exc)}") from None
         built = dict(options[name])
         if "autoscaling_config" in entry or entry.get("num_replicas") == "auto":
             built.pop("num_replicas", None)  # Serve takes the entry's count over the built one, either way
         elif "num_replicas" in entry:
             built.pop("autoscaling_config", None)
         options[name] = {**built, **entry}
-    initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
+    try:
+        initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
+    except ValidationError as exc:
+        raise ValueError(f"deployments: DiTReplica's autoscaling_config: {validation_line(exc)}") from None
     limit = admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size, most_replicas)
     given = {key for entry in deployments or () if entry["name"] == "Ingress" for key in entry}
-    # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values stand
-    options["Ingress"].update({key: value for key, value in ingress_slots(limit).items() if key not in given})
+    # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values
+    # stand, and its max_ongoing_requests (a limit raised live, README) sizes the queue at its door
+    slots = ingress_slots(limit)
+    if "max_ongoing_requests" in given:
+        slots["max_queued_requests"] = max(INGRESS_PROXY_QUEUE, int(options["Ingress"]["max_ongoing_requests"]))
+    options["Ingress"].update({key: value for key, value in slots.items() if key not in given})
     acceleration = config.acceleration.model_dump()
     if not (acceleration["torch_compile"] or acceleration["warmup"]):
         # Request defaults live in the ingress (live-reconfigurable); the replica needs its kernel only.

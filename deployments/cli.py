@@ -79,6 +79,10 @@ def load_serve_config(path: str | Path) -> dict:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise CannotStart(f"cannot read the config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CannotStart(f"{path} is not UTF-8 text (a YAML config file is)") from None
+    except RecursionError:
+        raise CannotStart(f"{path} nests too deeply to be a config file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -90,7 +94,13 @@ def load_serve_config(path: str | Path) -> dict:
         schema = ServeDeploySchema.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise CannotStart(f"{path}: {validation_line(exc)}") from None
-    unknown = unknown_keys(raw, ServeDeploySchema)
+    except (AttributeError, TypeError, ValueError) as exc:  # Serve's own validators, given a null or a list
+        raise CannotStart(f"{path}: not a Serve config ({type(exc).__name__}: {_first_line(exc)}); "
+                          "an entry may be null or of the wrong type") from None
+    # target_queued_per_replica: ditserve's own autoscaling field (bind_app makes it the policy's)
+    unknown = [key for key in unknown_keys(raw, ServeDeploySchema)
+               if not re.fullmatch(r"applications\[\d+\]\.deployments\[\d+\]\.autoscaling_config\."
+                                   r"target_queued_per_replica", key)]
     if unknown:
         raise CannotStart(f"{path}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                           "(Ray Serve's config schema has no such field)")
@@ -177,6 +187,8 @@ def _port_free(host: str, port: int) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((host, port))
+        except OverflowError:
+            raise CannotStart(f"cannot listen on port {port}: a port is 0-65535") from None
         except OSError as exc:
             raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
 
@@ -221,10 +233,18 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         install_proxy_middleware()  # a cluster started here: its proxy answers its own errors in OpenAI's envelope
         try:
             handler = signal.getsignal(signal.SIGTERM)
-            ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
+            try:
+                ray.init(address=address, num_cpus=num_cpus if address == "local" else None, log_to_driver=False)
+            except SystemExit as exc:  # ray.init's own SIGTERM handler (sys.exit(15)) while it starts
+                if exc.code != signal.SIGTERM or not callable(handler):
+                    raise
+                signal.signal(signal.SIGTERM, handler)
+                ray.shutdown()  # what it had started
+                raise KeyboardInterrupt from None
             if callable(handler) and threading.current_thread() is threading.main_thread():
-                # ray.init puts its own SIGTERM handler (it logs and dies) over the caller's
-                # (`ditserve serve`'s, which stops and cleans up): the caller's is put back
+                # ray.init puts its own SIGTERM handlers (Python's exits, then the core worker's
+                # logs and dies) over the caller's (`ditserve serve`'s, which stops and cleans
+                # up): the caller's is put back
                 signal.signal(signal.SIGTERM, handler)
         except Exception as exc:  # noqa: BLE001 - Ray's many connection errors become one line
             said = _first_line(exc)
@@ -298,16 +318,22 @@ class _DeployWatch:
         self.thread.join(timeout=10)
 
 
-_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception))(?:\(.*\))?: (.+)$")
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception|Broken))(?:\(.*\))?: (.+)$")
+_BARE = re.compile(r"(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)")  # raised without a message
+_VALIDATION = re.compile(r"^(?:pydantic[\w.]*\.)?ValidationError: \d+ validation errors? for ")
 
 
 def deploy_failure(message: str) -> str:
     """One line for Serve's ``DEPLOY_FAILED`` message (``serve.run``'s ``RuntimeError``: a
     count of failed starts, then a replica's whole traceback): the last exception line of the
     traceback (``ValueError: ...``), else the message's first line."""
-    raised = [m.group(0) for line in message.splitlines() if (m := _RAISED.match(line.strip()))]
+    lines = [line.strip() for line in message.splitlines()]
+    raised = [i for i, line in enumerate(lines) if _RAISED.match(line) or _BARE.fullmatch(line)]
     if raised:
-        return raised[-1]
+        i = raised[-1]
+        if _VALIDATION.match(lines[i]) and i + 2 < len(lines):  # pydantic: the count, then field and message
+            return f"{lines[i]}: {lines[i + 1]}: {lines[i + 2]}"
+        return lines[i]
     return _first_line(RuntimeError(message))
 
 

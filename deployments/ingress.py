@@ -108,7 +108,10 @@ class Ingress:
         self._router = router
         self._config = config
         self._limits: ServingLimits | None = None
-        self._defaults = AccelerationDefaults()
+        # args' request defaults from the start: a user_config without acceleration fields (loras
+        # only, or none) keeps them (they were AccelerationDefaults()'s until one came)
+        self._defaults = AccelerationDefaults.from_config(
+            AccelerationConfig.model_validate(config.get("acceleration") or {}).model_dump())
         self._live = LiveUpdates("Ingress")
         self._loras = lora_registry(config["model"].get("loras") or {})
         limits = config["limits"]

@@ -477,6 +477,21 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: c.update(http_option={"port": 1}), "unknown option http_option"),
     (lambda c, a: a.update(deployments=[{"name": "Routr", "user_config": {}}]), "no deployment named 'Routr'"),
     (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
+    (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 0-65535"),
+    (lambda c, a: a.update(deployments=[None]), "not a Serve config"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"loras": [1]}}]),
+     "Ingress's user_config.loras must be a mapping"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "user_config": {"loras": [1]}}]),
+     "DiTReplica's user_config.loras must be a mapping"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"loras": {}, "enable_cache_dit": True}}]),
+     "Ingress's user_config has no enable_cache_dit (it takes acceleration, loras)"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "user_config": {"lorass": {}}}]),
+     "DiTReplica's user_config has no lorass"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"attention_backend": "fa"}}]),
+     "Ingress's user_config: acceleration.attention_backend='fa' cannot run"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica",
+                                         "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}]),
+     "error: bad config: deployments: DiTReplica's autoscaling_config: "),
 ])
 def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
     """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the
@@ -494,8 +509,28 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
 
 
+def test_a_documented_autoscaling_target_in_a_deployments_entry_is_not_refused(tmp_path, capsys, monkeypatch):
+    """``autoscaling_config.target_queued_per_replica`` (ditserve's, not Serve's schema's) passes the
+    unknown-option check: the deploy goes on to ``ray.init`` (stopped here)."""
+    import ray
+    import yaml
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before the cluster")
+
+    monkeypatch.setattr(ray, "init", stop)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(lambda c, a: a.update(deployments=[{
+        "name": "DiTReplica", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
+                                                     "target_queued_per_replica": 4}}]))))
+    assert main(["serve", "--config", str(path)]) == 1
+    assert "stopped before the cluster" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, said", [
     (None, "cannot read the config file"),
+    ("name: caf\xe9\n".encode("latin-1"), "is not UTF-8 text"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nests too deeply"),
     ("applications:\n  - name: [\n", "is not valid YAML at line 3"),
     ("- just a list\n", "a Serve config file is a mapping"),
     ("applications:\n  - import_path: other.module:app\n", "no application with import_path deployments.app:build_app"),
@@ -507,7 +542,9 @@ def test_serve_config_files_that_are_not_one_are_one_line(tmp_path, capsys, monk
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
     path = tmp_path / "serve.yaml"
-    if text is not None:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
         path.write_text(text)
     assert main(["serve", "--config", str(path)]) == 1
     err = capsys.readouterr().err

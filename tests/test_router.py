@@ -439,16 +439,18 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         serve.delete("ditserve")
     url = ray_cluster["url"]
     try:
-        _deploy_config(one, small["batching"])
+        # the Ingress's first user_config names adapters only: args' acceleration defaults stand
+        _deploy_config(one, small["batching"], ({"name": "Ingress", "user_config": {"loras": {}}},))
         before = stats(url)
         assert before["max_batch_size"] == 1
         admission = lambda: serve.get_app_handle("ditserve").stats.remote().result()["ingress"]  # noqa: E731
         wait_until(lambda: admission()["admission_limit"] == 64 + 1)  # the Router's: 64 queued + a batch of 1
         assert {k: before["batching"][k] for k in small["batching"]} == small["batching"]  # the file's knobs
         with ThreadPoolExecutor(6) as pool:
-            sizes = [r.json()["ditserve"]["batch_size"]
-                     for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}), range(6))]
-        assert max(sizes) == 1
+            metas = [r.json()["ditserve"] for r in pool.map(lambda i: post(url, {"prompt": f"p{i}", "seed": i, **FAST}),
+                                                           range(6))]
+        assert max(m["batch_size"] for m in metas) == 1
+        assert {m["acceleration"]["cfg_gate"]["gate_step"] for m in metas} == {0.5}  # it was 1.0
         ingress_replica = admission()["replica"]
         replicas_before = set(stats(url)["replicas"])
         _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
