@@ -218,6 +218,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     from compat.ray_serve import http_options, serve_running
     from deployments.app import bind_app
 
+    if not 0 <= port <= 65535:  # also where Serve runs already (its own port stands): a mistake all the same
+        raise CannotStart(f"cannot listen on port {port}: a port is 0-65535")
     try:  # checked before any cluster starts: bad args or a bad deployments entry is one line at once
         app = bind_app(args, deployments)
     except pydantic.ValidationError as exc:
