@@ -7,8 +7,8 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import (AccelerationConfig, AppConfig, BatchingConfig, admission_limit_of,
-                                default_kernel_problem, lora_registry, validation_line, with_env_overrides)
+from deployments.config import (AppConfig, admission_limit_of, batching_update, ingress_update, lora_registry,
+                                validation_line, with_env_overrides)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -181,15 +181,10 @@ def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
             raise ValueError(f"deployments: {name}'s user_config.{key} must be a mapping")
     try:
         if name == "Router":
-            BatchingConfig.model_validate({**config.batching.model_dump(), **user_config})
+            batching_update(config.batching.model_dump(), user_config)
         elif name == "Ingress":
-            given = user_config.get("acceleration") if nested else user_config
-            acceleration = AccelerationConfig.model_validate({**config.acceleration.model_dump(), **(given or {})})
-            problem = default_kernel_problem(acceleration.attention_backend, config.model.device, config.model.dtype,
-                                             config.parallel.ring_degree)
-            if problem:
-                raise ValueError(problem)
-            lora_registry(user_config.get("loras") or {} if nested else {})
+            ingress_update(user_config, config.acceleration.model_dump(), config.model.device, config.model.dtype,
+                           config.parallel.ring_degree)
         elif name == "DiTReplica":
             lora_registry(user_config.get("loras") or {})
     except ValidationError as exc:

@@ -187,8 +187,6 @@ def _port_free(host: str, port: int) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((host, port))
-        except OverflowError:
-            raise CannotStart(f"cannot listen on port {port}: a port is 0-65535") from None
         except OSError as exc:
             raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
 

@@ -470,6 +470,34 @@ class AppConfig(_Strict):
         return self
 
 
+def batching_update(args_batching: dict, knobs: dict | None) -> "BatchingConfig":
+    """The Router's batching knobs after a ``user_config`` update ``knobs``: a knob it leaves
+    out keeps ``args``' value (``args_batching``, ``BatchingConfig.model_dump()``). Raises
+    pydantic's ``ValidationError`` naming the knob."""
+    return BatchingConfig.model_validate({**args_batching, **(knobs or {})})
+
+
+def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtype: str,
+                   ring_degree: int) -> tuple["AccelerationConfig | None", dict[str, LoraEntry] | None]:
+    """The Ingress's ``user_config`` update, checked: ``(acceleration, loras)``, each None when
+    the update leaves it alone. ``user_config`` is ``{"acceleration": {...}, "loras": {...}}``
+    or a dict of acceleration fields alone (the older form); an acceleration field it leaves
+    out keeps ``args``' value (``args_acceleration``); the default kernel must run on
+    ``device`` / ``dtype`` / ``ring_degree``. Raises ``ValueError`` (pydantic's
+    ``ValidationError`` for a bad field) naming what is wrong."""
+    if "acceleration" not in user_config and "loras" not in user_config:
+        user_config = {"acceleration": user_config}
+    acceleration = loras = None
+    if "acceleration" in user_config:
+        acceleration = AccelerationConfig.model_validate({**args_acceleration, **(user_config["acceleration"] or {})})
+        problem = default_kernel_problem(acceleration.attention_backend, device, dtype, ring_degree)
+        if problem:
+            raise ValueError(problem)
+    if "loras" in user_config:
+        loras = lora_registry(user_config["loras"] or {})
+    return acceleration, loras
+
+
 def default_kernel_problem(name: str | None, device: str, dtype: str, ring_degree: int) -> str | None:
     """Why ``acceleration.attention_backend`` = ``name`` cannot be the default kernel on
     ``model.device`` / ``model.dtype`` and ``parallel.ring_degree`` (None: it can; whether its

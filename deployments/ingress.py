@@ -21,7 +21,7 @@ from ray import serve
 
 from compat import CompatError
 from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
-from deployments.config import AccelerationConfig, admission_limit_of, default_kernel_problem, lora_registry
+from deployments.config import AccelerationConfig, admission_limit_of, ingress_update, lora_registry
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
@@ -189,22 +189,13 @@ class Ingress:
         await self._live.apply(user_config, self._apply_user_config)
 
     def _apply_user_config(self, user_config: dict) -> None:
-        if "acceleration" not in user_config and "loras" not in user_config:
-            user_config = {"acceleration": user_config}
-        defaults, loras = self._defaults, self._loras
-        if "acceleration" in user_config:
-            # a field the update leaves out keeps args' value (it took AccelerationConfig's default)
-            acceleration = AccelerationConfig.model_validate({**(self._config.get("acceleration") or {}),
-                                                              **(user_config["acceleration"] or {})})
-            model, parallel = self._config["model"], self._config.get("parallel") or {}
-            problem = default_kernel_problem(acceleration.attention_backend, model["device"], model["dtype"],
-                                             int(parallel.get("ring_degree", 1)))
-            if problem:
-                raise ValueError(problem)
-            defaults = AccelerationDefaults.from_config(acceleration.model_dump())
-        if "loras" in user_config:
-            loras = lora_registry(user_config["loras"] or {})
-        self._defaults, self._loras = defaults, loras  # checked: both change, or neither
+        model, parallel = self._config["model"], self._config.get("parallel") or {}
+        acceleration, loras = ingress_update(user_config, self._config.get("acceleration") or {}, model["device"],
+                                             model["dtype"], int(parallel.get("ring_degree", 1)))
+        if acceleration is not None:
+            self._defaults = AccelerationDefaults.from_config(acceleration.model_dump())
+        if loras is not None:  # checked before either changed: both change, or neither
+            self._loras = loras
         if self._limits is not None:
             self._limits = dataclasses.replace(self._limits, loras=self._loras)
 

@@ -30,7 +30,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from deployments.config import BatchingConfig, admission_limit_of, queued_batch_limit
+from deployments.config import admission_limit_of, batching_update, queued_batch_limit
 from deployments.jobs import JobStore, VideoJobs
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
@@ -101,7 +101,7 @@ class Router:
         self._video_previews = int(videos.pop("previews", 0))  # preview frames a running job decodes
         self._jobs = VideoJobs(JobStore(**videos), self._wait)
         self._args_batching = dict(batching or {})  # args' knobs: what a user_config leaves out keeps
-        self.reconfigure_batching(BatchingConfig.model_validate(self._args_batching).model_dump())
+        self.reconfigure_batching(batching_update(self._args_batching, None).model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._queued_by_priority = Tally()  # queued requests per priority (the queue-depth gauge)
@@ -156,8 +156,7 @@ class Router:
         ``args`` said 2). Knobs that fail ``BatchingConfig`` are refused, those in force stay
         (``deployments.live_config``; at start they raise ``ValidationError``)."""
         def apply(knobs: dict) -> None:
-            merged = {**self._args_batching, **(knobs or {})}
-            self.reconfigure_batching(BatchingConfig.model_validate(merged).model_dump())
+            self.reconfigure_batching(batching_update(self._args_batching, knobs).model_dump())
             self._wakeup.set()
         await self._live.apply(batching, apply)
 
