@@ -259,7 +259,9 @@ def test_a_rank_killed_while_its_replica_idles_costs_the_next_batch_nothing(depl
     """A rank actor killed between batches: the next batch finds the group broken before any
     step ran, so the replica refuses it (and exits) and the Router requeues it to the
     replacement; the request is answered 200 (it was 500 'batch failed')."""
-    url = deploy(SP2, fresh=True)
+    # health checks far apart: the next batch, not a check, finds the dead rank (in CI a check
+    # replaced the replica first, and the request went to the new one without a requeue)
+    url = deploy({**SP2, "replica": {**SP2["replica"], "health_check_period_s": 60.0}}, fresh=True)
     first = post_ok(url, {"prompt": "before", "seed": 1, "num_inference_steps": 2})
     ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
