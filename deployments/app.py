@@ -7,8 +7,8 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import (AppConfig, admission_limit_of, batching_update, ingress_update, lora_registry,
-                                validation_line, with_env_overrides)
+from deployments.config import (AppConfig, admission_limit_of, batching_update, check_user_config_shape, ingress_update,
+                                lora_registry, validation_line, with_env_overrides)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -157,28 +157,19 @@ def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict
     return {**entry, "autoscaling_config": autoscaling_config(fields, target or config.batching.max_batch_size)}
 
 
-USER_CONFIG_KEYS = {"Ingress": {"acceleration", "loras"}, "DiTReplica": {"loras"}}  # the Router's: its knobs
-
-
 def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
     """Check a ``deployments`` entry's ``user_config`` as the deployment would at start (where
     a bad one fails the deploy with a replica's traceback): the Router's batching knobs over
     ``args``' (``BatchingConfig``), the Ingress's acceleration defaults over ``args``'
-    (``AccelerationConfig``) and adapter registry, DiTReplica's adapter registry. Raises
-    ``ValueError`` naming the deployment and the field."""
+    (``AccelerationConfig``) and adapter registry, DiTReplica's adapter registry, and the keys
+    each reads (``check_user_config_shape``). Raises ``ValueError`` naming the deployment and the
+    field."""
     if user_config is None:
         return
-    if not isinstance(user_config, dict):
-        raise ValueError(f"deployments: {name}'s user_config must be a mapping")
-    nested = name != "Ingress" or "acceleration" in user_config or "loras" in user_config
-    allowed = USER_CONFIG_KEYS.get(name)
-    unknown = sorted(str(k) for k in user_config if k not in allowed) if allowed and nested else []
-    if unknown:  # beside the nested form, a flat acceleration field was ignored
-        raise ValueError(f"deployments: {name}'s user_config has no {', '.join(unknown)} (it takes "
-                         f"{', '.join(sorted(allowed))})")
-    for key in ("acceleration", "loras") if name != "Router" else ():
-        if nested and user_config.get(key) is not None and not isinstance(user_config[key], dict):
-            raise ValueError(f"deployments: {name}'s user_config.{key} must be a mapping")
+    try:
+        check_user_config_shape(name, user_config)
+    except ValueError as exc:
+        raise ValueError(f"deployments: {name}'s {exc}") from None
     try:
         if name == "Router":
             batching_update(config.batching.model_dump(), user_config)
@@ -198,9 +189,15 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
     (``{"name": ..., option: value}``, Serve's ``DeploymentSchema``), each option replacing the
     one built here, as Serve applies them to an ``import_path`` app (for ``ditserve serve
     --config``, which deploys in-process). Raises ``pydantic.ValidationError`` on a bad config,
-    ``ValueError`` for an entry naming no deployment of the app."""
+    ``ValueError`` for an entry naming no deployment of the app or one named twice (Serve
+    would take the last entry and drop the other's options without a word)."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
     options = deployment_options(config)
+    names = [entry.get("name") for entry in deployments or ()]
+    twice = sorted({str(name) for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"deployments: {', '.join(twice)} {'has' if len(twice) == 1 else 'have'} more than one "
+                         "entry; give each deployment's options in one")
     for entry in deployments or ():
         entry = dict(entry)
         name = entry.pop("name")

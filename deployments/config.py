@@ -477,6 +477,30 @@ def batching_update(args_batching: dict, knobs: dict | None) -> "BatchingConfig"
     return BatchingConfig.model_validate({**args_batching, **(knobs or {})})
 
 
+USER_CONFIG_KEYS = {"Ingress": ("acceleration", "loras"), "DiTReplica": ("loras",)}  # the Router's: its knobs
+
+
+def check_user_config_shape(name: str, user_config) -> None:
+    """Refuse a ``user_config`` of deployment ``name`` that is not a mapping, has a key the
+    deployment does not read (``USER_CONFIG_KEYS``; the Router's knobs are checked by
+    ``BatchingConfig``) or a section (``acceleration``, ``loras``) that is not a mapping. The
+    Ingress's older flat form (a dict of acceleration fields alone) is checked by
+    ``AccelerationConfig``; beside the nested form a flat field would be ignored, so it is
+    refused. Raises ``ValueError``, e.g. ``"user_config has no X (it takes acceleration,
+    loras)"``."""
+    if not isinstance(user_config, dict):
+        raise ValueError("user_config must be a mapping")
+    allowed = USER_CONFIG_KEYS.get(name)
+    if not allowed or (name == "Ingress" and not any(k in user_config for k in allowed)):
+        return
+    unknown = sorted(str(k) for k in user_config if k not in allowed)
+    if unknown:
+        raise ValueError(f"user_config has no {', '.join(unknown)} (it takes {', '.join(allowed)})")
+    for key in allowed:
+        if user_config.get(key) is not None and not isinstance(user_config[key], dict):
+            raise ValueError(f"user_config.{key} must be a mapping")
+
+
 def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtype: str,
                    ring_degree: int) -> tuple["AccelerationConfig | None", dict[str, LoraEntry] | None]:
     """The Ingress's ``user_config`` update, checked: ``(acceleration, loras)``, each None when
@@ -484,7 +508,9 @@ def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtyp
     or a dict of acceleration fields alone (the older form); an acceleration field it leaves
     out keeps ``args``' value (``args_acceleration``); the default kernel must run on
     ``device`` / ``dtype`` / ``ring_degree``. Raises ``ValueError`` (pydantic's
-    ``ValidationError`` for a bad field) naming what is wrong."""
+    ``ValidationError`` for a bad field) naming what is wrong, also a key beside the nested
+    form or a section that is not a mapping (``check_user_config_shape``)."""
+    check_user_config_shape("Ingress", user_config)
     if "acceleration" not in user_config and "loras" not in user_config:
         user_config = {"acceleration": user_config}
     acceleration = loras = None

@@ -157,8 +157,9 @@ class DiTReplica:
         await self._live.apply(user_config, self._apply_loras)
 
     async def _apply_loras(self, user_config: dict) -> None:
-        from deployments.config import lora_registry
+        from deployments.config import check_user_config_shape, lora_registry
 
+        check_user_config_shape("DiTReplica", user_config or {})
         loras = (user_config or {}).get("loras") or {}
         registry = lora_registry(loras)  # malformed: refused whole, before anything changes
         known = lora_registry(self._loras)

@@ -476,6 +476,8 @@ def _tiny_cpu_config(mutate) -> dict:
      "unknown option applications[0].deployments[0].ray_actor_options.num_cpu"),
     (lambda c, a: c.update(http_option={"port": 1}), "unknown option http_option"),
     (lambda c, a: a.update(deployments=[{"name": "Routr", "user_config": {}}]), "no deployment named 'Routr'"),
+    (lambda c, a: a.update(deployments=[{"name": "Router"}, {"name": "Router", "user_config": {}}]),
+     "error: bad config: deployments: Router has more than one entry"),
     (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
     (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 0-65535"),
     (lambda c, a: a.update(deployments=[None]), "not a Serve config"),

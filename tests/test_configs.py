@@ -53,6 +53,10 @@ def test_a_deployments_entry_must_name_a_deployment_of_the_app():
 
     with pytest.raises(ValueError, match="no deployment named 'Routr'.*DiTReplica, Ingress, Router"):
         bind_app({}, [{"name": "Routr", "user_config": {"max_batch_size": 3}}])
+    # Serve takes the last of two entries for one deployment: the first's options were dropped unsaid
+    with pytest.raises(ValueError, match="deployments: DiTReplica has more than one entry"):
+        bind_app({}, [{"name": "DiTReplica", "num_replicas": 2}, {"name": "Router", "user_config": {}},
+                      {"name": "DiTReplica", "ray_actor_options": {"num_cpus": 2}}])
 
 
 @pytest.mark.parametrize("args, deployments, most_replicas, initial_replicas", [

@@ -43,3 +43,53 @@ def test_a_router_deployment_with_no_replica_left_is_503_not_500():
 
     error = as_ditserve_error(DeploymentUnavailableError("Router"))
     assert error.status_code == 503 and error.code == "unavailable" and "serve status" in error.message
+
+
+def _running(cls, **attributes):
+    """A running replica of deployment class ``cls`` as far as its ``reconfigure`` reads it (its
+    ``__init__`` needs a Serve replica context), serving: a bad update is refused, not raised."""
+    replica = object.__new__(cls)
+    replica._live = LiveUpdates(cls.__name__)
+    replica._live.started()
+    replica.__dict__.update(attributes)
+    return replica
+
+
+@pytest.mark.parametrize("update, problem", [
+    ({"acceleration": {}, "enable_cache_dit": True}, "user_config has no enable_cache_dit (it takes acceleration, loras)"),
+    ({"loras": {}, "cfg_gate_step": 0.5}, "user_config has no cfg_gate_step"),
+    ({"acceleration": [1]}, "user_config.acceleration must be a mapping"),
+    ({"acceleration": "fast"}, "user_config.acceleration must be a mapping"),
+    ({"loras": ["magenta"]}, "user_config.loras must be a mapping"),
+])
+def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, problem):
+    """A live ``serve deploy`` of the Ingress's ``user_config`` gets the config file's checks: a
+    flat acceleration field beside the nested form was taken silently (ignored), a section that
+    is not a mapping raised ``TypeError`` (which stops the replica: DEPLOY_FAILED)."""
+    from deployments.config import AccelerationConfig
+    from deployments.ingress import Ingress
+    from pipeline.sampling import AccelerationDefaults
+
+    defaults = AccelerationDefaults.from_config(AccelerationConfig(cfg_gate_step=0.5).model_dump())
+    ingress = _running(Ingress.func_or_class, _config={"model": {"device": "cpu", "dtype": "float32"},
+                                                       "acceleration": {"cfg_gate_step": 0.5}},
+                       _defaults=defaults, _loras={"magenta": {}}, _limits=None)
+    asyncio.run(ingress.reconfigure(update))
+    assert problem in ingress._live.refused["error"]
+    assert ingress._defaults == defaults and ingress._loras == {"magenta": {}}  # the settings in force stay
+    asyncio.run(ingress.reconfigure({"acceleration": {"cfg_gate_step": 0.25}}))  # a good one applies
+    assert ingress._live.refused is None and ingress._defaults.cfg_gate_fraction == 0.25
+
+
+@pytest.mark.parametrize("update, problem", [
+    ({"lorass": {"late": {}}}, "user_config has no lorass (it takes loras)"),
+    ({"loras": [{"name": "late"}]}, "user_config.loras must be a mapping"),
+])
+def test_a_live_replica_update_with_a_key_it_would_not_read_is_refused(update, problem):
+    """DiTReplica read only ``loras``: a misspelt key was an empty registry, every adapter
+    dropped without a word."""
+    from deployments.replica import DiTReplica
+
+    replica = _running(DiTReplica.func_or_class, _loras={"magenta": {}}, _refused_loras={})
+    asyncio.run(replica.reconfigure(update))
+    assert problem in replica._live.refused["error"] and replica._loras == {"magenta": {}}
