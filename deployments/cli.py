@@ -275,7 +275,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
                 watch.stop()
         return served
     except BaseException:
-        stop_app(served or Served(name, route_prefix, host, port, joined, started_serve), deployed=served is not None)
+        stop_app(served or Served(name, route_prefix, host, port, joined, started_serve), deployed=served is not None,
+                 drain=False)
         raise
 
 
@@ -353,15 +354,19 @@ def _why_failed(name: str, exc: RuntimeError) -> str:
     return deploy_failure(str(exc))
 
 
-def stop_app(served: Served, deployed: bool = True) -> None:
+def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     """Undo :func:`start_app`: in a cluster it joined, delete its application (``deployed``)
     and, when it started Serve there and no other application runs, Serve; in one it started,
-    shut Serve and the cluster down."""
+    shut Serve down (``drain``: Serve's graceful shutdown, its requests finish) and the
+    cluster. A deploy that never finished has nothing to drain (``drain=False``), and Serve's
+    controller waited its whole 30 s timeout for a replica still being scheduled ("Controller
+    failed to shut down within 30.0s"): that cluster is shut down at once."""
     import ray
     from ray import serve
 
     if not served.joined:
-        serve.shutdown()
+        if drain:
+            serve.shutdown()
     else:
         if deployed and served.name in serve.status().applications:
             serve.delete(served.name)
