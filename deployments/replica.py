@@ -209,7 +209,8 @@ class DiTReplica:
 
     def record_routing_stats(self) -> dict:
         """What the request router sees of this replica (every ``routing_stats_period_s``): its
-        state (signature, adapters loaded and active, kernel, Cache-DiT key) and counters. Also
+        state (signature, adapters loaded and active, kernel, Cache-DiT key), the adapters its
+        last registry update refused (``loras_refused``, names) and counters. Also
         exports the LoRA loads, evictions and hits since the last call to Prometheus."""
         for key, value in self._runner.lora.counters.items():
             if value > self._lora_reported[key]:
@@ -218,6 +219,8 @@ class DiTReplica:
         return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
                 "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
                 "live_update_refused": self._live.refused,
+                # adapters of the registry this replica refused: the chooser sends their batches elsewhere
+                "loras_refused": sorted({name for name, _ in self._refused_loras}),
                 "parallel": dataclasses.asdict(self._parallel),
                 **self._runner.state_report(), **self._runner.counters()}
 

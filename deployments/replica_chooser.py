@@ -51,14 +51,35 @@ def _register(router: RequestRouter, *, chooser: bool) -> None:
         registry._CHOOSERS[key] = router
 
 
+def taking_adapters(candidate_replicas: list[RunningReplica], batch: "Batch | None") -> list[RunningReplica]:
+    """The replicas that did not refuse an adapter ``batch`` names (``loras_refused`` in their
+    routing stats, the names their last registry update refused); all of them when none is
+    left. A replica that refused one answers the batch 400 ``adapter_refused``, where another
+    may have taken it: an adapter file that reached some nodes only, or was fixed before a
+    replica started. Seen once the replica's next routing stats arrive
+    (``routing_stats_period_s``)."""
+    if batch is None or not batch.requests or not batch.requests[0].lora:
+        return candidate_replicas
+    adapters = {spec.name for spec in batch.requests[0].lora}
+    taking = [r for r in candidate_replicas
+              if not adapters & set((r.routing_stats or {}).get("loras_refused") or ())]
+    return taking or candidate_replicas  # refused everywhere: one answers why
+
+
 class ReplicaSetWatcher(compat.power_of_two_choices_router()):
-    """Serve's default request router (power of two choices), unchanged, for DiTReplica with
-    ``batching.affinity`` off: registered so the Router sees its replica set
+    """Serve's default request router (power of two choices) for DiTReplica with
+    ``batching.affinity`` off, unchanged but for the replicas that refused a batch's adapter
+    (:func:`taking_adapters`): registered so the Router sees its replica set
     (:func:`replica_count`) and holds its queues while every replica is gone."""
 
     def initialize_state(self, **kwargs):
         super().initialize_state(**kwargs)
         _register(self, chooser=False)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        return await super().choose_replicas(taking_adapters(candidate_replicas, _batch_of(pending_request)),
+                                             pending_request)
 
 
 def _batch_of(pending_request: PendingRequest | None) -> Batch | None:
@@ -124,6 +145,7 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         signature = batch.signature.digest
         healthy = [r for r in candidate_replicas if not self._is_broken(r)]
         candidate_replicas = healthy or candidate_replicas  # with none left, Serve's own checks decide
+        candidate_replicas = taking_adapters(candidate_replicas, batch)
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == batch.preferred_replica]
         matching = [r for r in candidate_replicas if self.last_signature_of(r) == signature and r not in preferred]
         others = [r for r in candidate_replicas if self.last_signature_of(r) != signature and r not in preferred]

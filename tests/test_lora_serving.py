@@ -163,12 +163,16 @@ def test_edits_take_adapters_sent_as_form_fields_by_the_sdk_and_the_cli(client, 
     assert "lora=magenta:1 lora=outline:0.5" in capsys.readouterr().out
 
 
-def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None) -> None:
+def _deploy_file(args: dict, user_configs: dict[str, dict] | None = None,
+                 options: dict[str, dict] | None = None) -> None:
     """Deploy as a Serve config file is deployed (serve deploy / RayService), with
-    ``user_configs`` (deployment name -> user_config) in its ``deployments`` section."""
+    ``user_configs`` (deployment name -> user_config) and ``options`` (deployment name -> other
+    options, e.g. ``num_replicas``) in its ``deployments`` section."""
     from ray.serve.schema import ServeDeploySchema
 
-    deployments = [{"name": name, "user_config": config} for name, config in (user_configs or {}).items()]
+    names = [*(user_configs or {}), *(name for name in options or {} if name not in (user_configs or {}))]
+    deployments = [{"name": name, **({"user_config": user_configs[name]} if name in (user_configs or {}) else {}),
+                    **(options or {}).get(name, {})} for name in names]
     deploy_config(ServeDeploySchema.model_validate({"applications": [
         {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
          **({"deployments": deployments} if deployments else {})}]}), wait_running=False)
@@ -219,6 +223,20 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["code"] == "adapter_refused" and "'bad'" in refused.json()["error"]["message"]
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        # The file fixed, a replica that starts now (scaling up, a replacement) takes it: batches
+        # naming it go there, not to the replicas that refused it (each answered 400 on its turn)
+        shutil.copy(EMBEDDED_LORA_DIR / "outline" / "pytorch_lora_weights.safetensors", bad_file)
+        _deploy_file(args, {"DiTReplica": {"loras": bad}, "Ingress": {"acceleration": {}, "loras": bad}},
+                     {"DiTReplica": {"num_replicas": 3}})
+        wait_until(lambda: len(stats(url)["replicas"]) == 3 and
+                   all("loras_refused" in r for r in stats(url)["replicas"].values()), timeout=120)
+        replicas = stats(url)["replicas"]
+        assert {rid for rid, r in replicas.items() if r["loras_refused"] == ["bad"]} == before
+        (taker,) = set(replicas) - before
+        for seed in range(4):
+            response = post(url, {"prompt": "a red circle", "seed": seed, **FAST, "lora": [{"name": "bad"}]})
+            assert response.status_code == 200, response.text
+            assert response.json()["ditserve"]["replica"] == taker
         _deploy_file(args, {"DiTReplica": {"loras": loras}, "Ingress": {"acceleration": {}, "loras": loras}})
         wait_until(lambda: not any(r.get("live_update_refused") for r in stats(url)["replicas"].values()),
                    timeout=60)  # a good update applies
