@@ -184,13 +184,33 @@ def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
         raise ValueError(f"deployments: {name}'s user_config: {exc}") from None
 
 
+def check_same_loras(deployments, config: AppConfig) -> None:
+    """Refuse ``deployments`` entries whose ``user_config`` gives the Ingress and DiTReplica
+    different adapter registries (one left out keeps ``model.loras``): the Ingress admits
+    requests by its registry and DiTReplica checks the adapters against the model, so an
+    adapter only the Ingress had was never checked (its requests failed 500
+    ``lora_load_failed``) and one only DiTReplica had could not be named. Raises
+    ``ValueError`` naming the adapters that differ."""
+    registries = {}
+    for name in ("Ingress", "DiTReplica"):
+        user_config = next((e.get("user_config") for e in deployments if e.get("name") == name), None) or {}
+        loras = user_config.get("loras") if isinstance(user_config, dict) else None
+        registries[name] = lora_registry(config.model.loras if loras is None else loras)
+    ingress, replica = registries["Ingress"], registries["DiTReplica"]
+    differ = sorted(n for n in {*ingress, *replica} if ingress.get(n) != replica.get(n))
+    if differ:
+        raise ValueError(f"deployments: the Ingress's and DiTReplica's adapter registries (user_config.loras, else "
+                         f"model.loras) differ at {', '.join(differ)}: give both the same loras")
+
+
 def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | None = None) -> Application:
     """:func:`build_app` with ``deployments``: a Serve config file's ``deployments`` entries
     (``{"name": ..., option: value}``, Serve's ``DeploymentSchema``), each option replacing the
     one built here, as Serve applies them to an ``import_path`` app (for ``ditserve serve
     --config``, which deploys in-process). Raises ``pydantic.ValidationError`` on a bad config,
     ``ValueError`` for an entry naming no deployment of the app or one named twice (Serve
-    would take the last entry and drop the other's options without a word)."""
+    would take the last entry and drop the other's options without a word), and for a Router
+    entry giving it more than one replica."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
     options = deployment_options(config)
     names = [entry.get("name") for entry in deployments or ()]
@@ -204,6 +224,10 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         if name not in options:
             raise ValueError(f"deployments: no deployment named {name!r} in this application; it has "
                              f"{', '.join(sorted(options))}")
+        if name == "Router" and (entry.get("num_replicas", 1) != 1 or entry.get("autoscaling_config")):
+            # its queues, counters and video jobs are its own: a second Router's jobs 404 on the first
+            raise ValueError("deployments: Router runs as one replica (it holds the queues and the video jobs); "
+                             "drop its num_replicas / autoscaling_config (scale DiTReplica, or the Ingress)")
         check_entry_user_config(name, entry.get("user_config"), config)
         try:
             entry = _with_router_queue_policy(name, entry, config)
@@ -215,6 +239,7 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         elif "num_replicas" in entry:
             built.pop("autoscaling_config", None)
         options[name] = {**built, **entry}
+    check_same_loras(deployments or (), config)
     try:
         initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
     except ValidationError as exc:

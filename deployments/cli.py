@@ -191,6 +191,26 @@ def _port_free(host: str, port: int) -> None:
             raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
 
 
+def check_port(port: int) -> None:
+    """Raise :class:`CannotStart` for a port outside 0-65535."""
+    if not 0 <= port <= 65535:
+        raise CannotStart(f"cannot listen on port {port}: a port is 0-65535")
+
+
+def checked_app(args: dict, deployments: list[dict] | None = None):
+    """``bind_app(args, deployments)``, its refusals as :class:`CannotStart` (one line naming
+    the field): bad ``args``, a bad or unknown ``deployments`` entry, Serve refusing an option.
+    Needs no cluster."""
+    from deployments.app import bind_app
+
+    try:
+        return bind_app(args, deployments)
+    except pydantic.ValidationError as exc:
+        raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
+    except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
+        raise CannotStart(f"bad config: {_first_line(exc)}") from None
+
+
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
               num_cpus: int | None = None, address: str | None = "local",
               deployments: list[dict] | None = None, on_wait=None) -> Served:
@@ -214,16 +234,9 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     from ray.serve.exceptions import RayServeException
 
     from compat.ray_serve import http_options, serve_running
-    from deployments.app import bind_app
 
-    if not 0 <= port <= 65535:  # also where Serve runs already (its own port stands): a mistake all the same
-        raise CannotStart(f"cannot listen on port {port}: a port is 0-65535")
-    try:  # checked before any cluster starts: bad args or a bad deployments entry is one line at once
-        app = bind_app(args, deployments)
-    except pydantic.ValidationError as exc:
-        raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
-    except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
-        raise CannotStart(f"bad config: {_first_line(exc)}") from None
+    check_port(port)  # also where Serve runs already (its own port stands): a mistake all the same
+    app = checked_app(args, deployments)  # before any cluster starts: a mistake is one line at once
     joined = ray.is_initialized() or address != "local"
     if not ray.is_initialized():
         if address == "local":
@@ -671,6 +684,12 @@ def _serve_until_stopped(ns) -> int:
             "name": APP_NAME, "args": {}, "route_prefix": "/", "http_options": {"host": "127.0.0.1", "port": 8000}}
         http = config["http_options"]
         host, port = ns.host or http["host"], ns.port or http["port"]
+        if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
+            check_port(port)
+            checked_app(config["args"], config.get("deployments"))
+            print(f"{ns.config or 'the default config'}: application {config['name']!r} passes ditserve's checks "
+                  "(args, deployments entries, user_configs, port)", flush=True)
+            return 0
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
@@ -943,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "this machine (default: $RAY_ADDRESS, else a new local cluster)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--check", action="store_true", help="check the config file (args, deployments entries and "
+                   "their user_configs) and exit, starting nothing: before a `serve deploy` of it")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("generate", help="request one image from a running server and save it")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -19,8 +20,32 @@ from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
 
 
+INT_CEILING = 2**31 - 1  # the largest integer a config field takes (Serve's options are int32 on the wire)
+
+
+def _numeric(annotation) -> bool:
+    """Whether a field's annotation is ``int`` or ``float`` (or an optional one)."""
+    return annotation in (int, float) or (get_origin(annotation) in (Union, UnionType) and
+                                          any(a in (int, float) for a in get_args(annotation))
+                                          and bool not in get_args(annotation))
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A config section: a key it does not have is refused, and so is a number that is not a
+    plain finite one: ``inf`` / ``nan``, a boolean (lax pydantic reads ``true`` as 1), an
+    integer above :data:`INT_CEILING` (Serve refused it with an unnamed "Value out of range")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_number(cls, value, info):
+        if _numeric(cls.model_fields[info.field_name].annotation):
+            if isinstance(value, bool):
+                raise ValueError(f"takes a number, not {str(value).lower()}")
+            if isinstance(value, int) and abs(value) > INT_CEILING:
+                raise ValueError(f"must be at most {INT_CEILING} in magnitude")
+        return value
 
 
 class LoraSettings(_Strict):
@@ -172,16 +197,16 @@ class BatchingConfig(_Strict):
     interactive ones, until they have waited this long (their starvation bound).
     """
 
-    max_batch_size: int = Field(default=8, ge=1)
+    max_batch_size: int = Field(default=8, ge=1, le=1024)
     max_batch_cost: float | None = Field(default=None, gt=0)
-    max_wait_ms: float = Field(default=10.0, ge=0)
-    max_queued_requests: int = Field(default=256, ge=1)
+    max_wait_ms: float = Field(default=10.0, ge=0, le=60_000)
+    max_queued_requests: int = Field(default=256, ge=1, le=1_000_000)
     max_queued_batch_requests: int | None = Field(default=None, ge=1)
     affinity: bool = True
     affinity_switch_cost_ms: float = Field(default=250.0, ge=0, le=600_000)
-    max_affinity_wait_ms: float = Field(default=2000.0, ge=0)
-    routing_stats_period_s: float = Field(default=1.0, gt=0)
-    max_batch_priority_wait_ms: float = Field(default=30_000.0, ge=0)
+    max_affinity_wait_ms: float = Field(default=2000.0, ge=0, le=600_000)
+    routing_stats_period_s: float = Field(default=1.0, gt=0, le=3600)
+    max_batch_priority_wait_ms: float = Field(default=30_000.0, ge=0, le=86_400_000)
 
     @model_validator(mode="after")
     def _batch_share(self):
@@ -196,8 +221,8 @@ class VideoJobsConfig(_Strict):
     completes or fails and at most ``max_finished`` are kept (the oldest go first); then its
     id answers 404."""
 
-    ttl_s: float = Field(default=3600.0, gt=0)
-    max_finished: int = Field(default=100, ge=1)
+    ttl_s: float = Field(default=3600.0, gt=0, le=30 * 24 * 3600)
+    max_finished: int = Field(default=100, ge=1, le=1_000_000)
     # Preview frames a running job decodes at evenly spaced steps (the first frame of the current
     # prediction; GET /v1/videos/{id}/content?variant=thumbnail answers the latest); 0: none.
     previews: int = Field(default=2, ge=0, le=3)

@@ -20,6 +20,10 @@ import logging
 import time
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
+from deployments.config import validation_line
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -52,8 +56,9 @@ class LiveUpdates:
         except ValueError as exc:
             if not self.serving:
                 raise
-            self.refused = {"error": str(exc), "at": time.time()}
+            said = validation_line(exc) if isinstance(exc, ValidationError) else str(exc)  # pydantic's runs to many lines
+            self.refused = {"error": said, "at": time.time()}
             logger.error("%s: the user_config update was refused; the settings in force stay: %s",
-                         self.deployment, exc)
+                         self.deployment, said)
             return
         self.refused = None

@@ -186,7 +186,7 @@ class DiTReplica:
             reason = self._refused_loras.get((spec.name, spec.path))
             if reason is not None:
                 raise InvalidRequestError(f"LoRA adapter {spec.name!r} was refused when the adapter registry was "
-                                          f"updated: {reason}", code="adapter_refused")
+                                          f"updated: {reason}", param="lora", code="adapter_refused")
 
     def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)

@@ -478,6 +478,24 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a.update(deployments=[{"name": "Routr", "user_config": {}}]), "no deployment named 'Routr'"),
     (lambda c, a: a.update(deployments=[{"name": "Router"}, {"name": "Router", "user_config": {}}]),
      "error: bad config: deployments: Router has more than one entry"),
+    # a second Router answered 404 for the first one's video jobs (helper-20's review)
+    (lambda c, a: a.update(deployments=[{"name": "Router", "num_replicas": 2}]),
+     "error: bad config: deployments: Router runs as one replica"),
+    (lambda c, a: a.update(deployments=[{"name": "Router", "autoscaling_config": {"max_replicas": 3}}]),
+     "error: bad config: deployments: Router runs as one replica"),
+    (lambda c, a: a.update(deployments=[{"name": "Router", "user_config": {"max_batch_size": True}}]),
+     "Router's user_config: max_batch_size: Value error, takes a number, not true"),
+    (lambda c, a: a.update(deployments=[{"name": "Router", "user_config": {"max_queued_requests": 10**23}}]),
+     "Router's user_config: max_queued_requests: Value error, must be at most 2147483647"),
+    (lambda c, a: a["args"].update(batching={"max_queued_requests": 10**23}),
+     "args.batching.max_queued_requests: Value error, must be at most 2147483647"),
+    (lambda c, a: a["args"].update(batching={"max_wait_ms": float("inf")}),
+     "args.batching.max_wait_ms: Input should be a finite number"),
+    # an adapter only the Ingress had was never checked: its requests failed 500 lora_load_failed
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"loras": {
+        "magenta": {}, "outline": {}, "x": {"path": "/nonexistent.safetensors"}}}}]),
+     "error: bad config: deployments: the Ingress's and DiTReplica's adapter registries (user_config.loras, else "
+     "model.loras) differ at x: give both the same loras"),
     (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
     (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 0-65535"),
     (lambda c, a: a.update(deployments=[None]), "not a Serve config"),
@@ -509,6 +527,18 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     assert main(["serve", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+    assert main(["serve", "--config", str(path), "--check"]) == 1  # the same, asked for before a serve deploy
+    assert capsys.readouterr().err == err
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
+def test_serve_check_passes_the_shipped_configs_and_starts_nothing(config, capsys, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    path = Path(__file__).parent.parent / "configs" / config
+    assert main(["serve", "--config", str(path), "--check"]) == 0, capsys.readouterr().err
+    assert "passes ditserve's checks" in capsys.readouterr().out
 
 
 def test_a_documented_autoscaling_target_in_a_deployments_entry_is_not_refused(tmp_path):

@@ -25,6 +25,8 @@ def test_a_bad_update_fails_the_start_and_is_refused_once_serving():
     live.started()
     asyncio.run(live.apply({"max_batch_size": 0}, apply))  # serving: refused, not raised
     assert applied == [4] and "max_batch_size" in live.refused["error"] and live.refused["at"] > 0
+    # one line naming the field, as at start (was pydantic's "1 validation error for ..." dump)
+    assert live.refused["error"].startswith("max_batch_size: Input should be") and "\n" not in live.refused["error"]
 
     async def apply_later(knobs: dict) -> None:  # a coroutine function (DiTReplica's adapter checks)
         apply(knobs)

@@ -222,6 +222,7 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         refused = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]})
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["code"] == "adapter_refused" and "'bad'" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "lora"  # the field, as lora_load_failed names it
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         # The file fixed, a replica that starts now (scaling up, a replacement) takes it: batches
         # naming it go there, not to the replicas that refused it (each answered 400 on its turn)
