@@ -199,7 +199,7 @@ class BatchingConfig(_Strict):
 
     max_batch_size: int = Field(default=8, ge=1, le=1024)
     max_batch_cost: float | None = Field(default=None, gt=0)
-    max_wait_ms: float = Field(default=10.0, ge=0, le=60_000)
+    max_wait_ms: float = Field(default=10.0, ge=0, le=600_000)
     max_queued_requests: int = Field(default=256, ge=1, le=1_000_000)
     max_queued_batch_requests: int | None = Field(default=None, ge=1)
     affinity: bool = True
