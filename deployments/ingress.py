@@ -396,10 +396,12 @@ class Ingress:
     async def models(self) -> dict:
         """OpenAI's model list: the model this application serves, then one entry per
         registered LoRA adapter (id ``"<base>:<adapter>"``, ``parent`` the base model); a
-        request may name either as ``model``."""
+        request may name either as ``model``. An adapter every DiTReplica refused
+        (``Router.refused_adapters``) is not listed."""
         base = self._config["model"]["name"]
+        refused = await self._call(self._router.refused_adapters)
         adapters = [{"id": adapter_model_id(base, name), "object": "model", "created": 0, "owned_by": "ditserve",
-                     "parent": base, "root": base} for name in sorted(self._loras)]
+                     "parent": base, "root": base} for name in sorted(set(self._loras) - refused)]
         return {"object": "list", "data": [{"id": base, "object": "model", "created": 0, "owned_by": "ditserve"},
                                            *adapters]}
 

@@ -51,6 +51,22 @@ def _register(router: RequestRouter, *, chooser: bool) -> None:
         registry._CHOOSERS[key] = router
 
 
+def adapters_refused_everywhere(app_name: str, deployment_name: str) -> frozenset[str]:
+    """The adapter names every replica the deployment's request router in this process can
+    route to refused at its last registry update (``loras_refused`` in their routing stats);
+    empty while there is no replica, or one has not reported yet (a replica that just started
+    may take an adapter the others refused)."""
+    router = _ROUTERS.get((app_name, deployment_name))
+    refused: frozenset[str] | None = None
+    for replica in (router.curr_replicas.values() if router is not None else ()):
+        stats = replica.routing_stats or {}
+        if "loras_refused" not in stats:
+            return frozenset()
+        names = frozenset(stats["loras_refused"])
+        refused = names if refused is None else refused & names
+    return refused or frozenset()
+
+
 def taking_adapters(candidate_replicas: list[RunningReplica], batch: "Batch | None") -> list[RunningReplica]:
     """The replicas that did not refuse an adapter ``batch`` names (``loras_refused`` in their
     routing stats, the names their last registry update refused); all of them when none is

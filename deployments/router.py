@@ -34,11 +34,11 @@ from deployments.config import admission_limit_of, batching_update, queued_batch
 from deployments.jobs import JobStore, VideoJobs
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
-from deployments.replica_chooser import chooser_for, replica_count
+from deployments.replica_chooser import adapters_refused_everywhere, chooser_for, replica_count
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
 from pipeline.contract.videos import ListOrder, VideoJob, VideoList
-from pipeline.errors import (DitServeError, InternalError, OverloadedError, ReplicaUnavailableError,
-                             RequestTimeoutError, ServiceUnavailableError)
+from pipeline.errors import (DitServeError, InternalError, InvalidRequestError, OverloadedError,
+                             ReplicaUnavailableError, RequestTimeoutError, ServiceUnavailableError)
 from pipeline.modes import InputMode, Priority
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
@@ -229,9 +229,17 @@ class Router:
         limit (``max_queued_requests`` waiting beyond full batches; for ``priority: batch``,
         ``max_queued_batch_requests``: lowest priority shed first), ``ServiceUnavailableError``
         while no DiTReplica is left and Serve has given up starting one
-        (:meth:`_answer_queued_if_unservable`), counting the rejection."""
+        (:meth:`_answer_queued_if_unservable`), ``InvalidRequestError`` (400
+        ``adapter_refused``) for a LoRA adapter every DiTReplica refused at its last registry
+        update (:meth:`refused_adapters`), counting the rejection."""
         self._trimmer.busy()
         self._refuse_if_unservable(params.request_id)
+        refused = sorted({spec.name for spec in params.lora} & self.refused_adapters())
+        if refused:
+            self._reject("adapter_refused")
+            raise InvalidRequestError(f"LoRA adapter {refused[0]!r} was refused by every replica when the adapter "
+                                      "registry was updated (why: /v1/stats, the replicas' live_update_refused)",
+                                      param="lora", code="adapter_refused", request_id=params.request_id)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         limit = self._admission_limit()
         shed = params.priority == Priority.BATCH  # lowest priority first: its share of the queue is smaller
@@ -244,6 +252,12 @@ class Router:
             raise OverloadedError(f"{held} requests are held, queued or running: the admission limit is {knob} "
                                   f"plus a full batch per replica ({limit - self._max_queued}); retry later",
                                   code="overloaded", request_id=params.request_id)
+
+    def refused_adapters(self) -> frozenset[str]:
+        """The LoRA adapters every DiTReplica refused at its last registry update (a file
+        missing or unreadable where they run), as their routing stats last said: requests
+        naming one are refused at admission and ``/v1/models`` does not list it."""
+        return adapters_refused_everywhere(self._replica.app_name, self._replica.deployment_name)
 
     def _start_loops(self) -> None:
         """Start the scheduler and the lease / status watch, once (on the first call that needs them)."""

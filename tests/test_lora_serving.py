@@ -224,6 +224,15 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         assert refused.json()["error"]["code"] == "adapter_refused" and "'bad'" in refused.json()["error"]["message"]
         assert refused.json()["error"]["param"] == "lora"  # the field, as lora_load_failed names it
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        # Refused by every replica (their routing stats say so): /v1/models leaves it out (it
+        # listed it) and the Router refuses its requests at admission, before they queue
+        models = lambda: {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}  # noqa: E731
+        wait_until(lambda: "tiny-flux:bad" not in models(), timeout=60)
+        assert {"tiny-flux:late", "tiny-flux:magenta"} <= models()
+        refused = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "adapter_refused", refused.text
+        assert refused.json()["error"]["param"] == "lora" and "every replica" in refused.json()["error"]["message"]
+        assert stats(url)["counters"]["rejected_adapter_refused"] >= 1
         # The file fixed, a replica that starts now (scaling up, a replacement) takes it: batches
         # naming it go there, not to the replicas that refused it (each answered 400 on its turn)
         shutil.copy(EMBEDDED_LORA_DIR / "outline" / "pytorch_lora_weights.safetensors", bad_file)
@@ -238,6 +247,7 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
             response = post(url, {"prompt": "a red circle", "seed": seed, **FAST, "lora": [{"name": "bad"}]})
             assert response.status_code == 200, response.text
             assert response.json()["ditserve"]["replica"] == taker
+        assert "tiny-flux:bad" in models()  # one replica takes it: listed again
         _deploy_file(args, {"DiTReplica": {"loras": loras}, "Ingress": {"acceleration": {}, "loras": loras}})
         wait_until(lambda: not any(r.get("live_update_refused") for r in stats(url)["replicas"].values()),
                    timeout=60)  # a good update applies
