@@ -370,15 +370,20 @@ def _why_failed(name: str, exc: RuntimeError) -> str:
 def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     """Undo :func:`start_app`: in a cluster it joined, delete its application (``deployed``)
     and, when it started Serve there and no other application runs, Serve; in one it started,
-    shut Serve down (``drain``: Serve's graceful shutdown, its requests finish) and the
-    cluster. A deploy that never finished has nothing to drain (``drain=False``), and Serve's
-    controller waited its whole 30 s timeout for a replica still being scheduled ("Controller
-    failed to shut down within 30.0s"): that cluster is shut down at once."""
+    delete the application, then shut Serve down and the cluster (``drain``). Deleting first
+    answers every HTTP request in flight (the running batch finishes, queued requests get 503
+    ``unavailable``): ``serve.shutdown()`` alone stops Serve's proxies first, which dropped
+    their connections unanswered. A deploy that never finished has nothing to drain
+    (``drain=False``), and Serve's controller waited its whole 30 s timeout for a replica still
+    being scheduled ("Controller failed to shut down within 30.0s"): that cluster is shut down
+    at once."""
     import ray
     from ray import serve
 
     if not served.joined:
         if drain:
+            if served.name in serve.status().applications:
+                serve.delete(served.name)
             serve.shutdown()
     else:
         if deployed and served.name in serve.status().applications:

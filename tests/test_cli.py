@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from openai import APIConnectionError, APITimeoutError
 
 from deployments.cli import _transport_modules, failure_line, main
 from parallel.groups import free_port
+from tests.helpers import wait_until
 
 
 def test_no_server_is_one_line_saying_how_to_start_one(tmp_path, capsys):
@@ -383,8 +385,21 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
         assert server.url == f"http://127.0.0.1:{port}" and not any("joined" in ln for ln in server.lines)
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
         assert set(serve.status().applications) == {"ditserve"}  # nothing deployed into this cluster
+        # Requests in flight at SIGTERM are each answered: the running batch finishes, the queued
+        # ones get 503 (Serve's shutdown stopped its proxy first: every connection dropped unanswered)
+        with ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(httpx.post, f"{server.url}/v1/images/generations", timeout=120,
+                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 50, "size": "256x256"})
+                     for i in range(6)]
+            wait_until(lambda: httpx.get(f"{server.url}/v1/stats", timeout=30).json()["router"]["inflight_batches"],
+                       timeout=60)
+            assert server.stop() == 0, "".join(server.lines)[-4000:]
+            answers = [call.result() for call in calls]  # raised on a dropped connection
+        assert {r.status_code for r in answers} <= {200, 503} and 200 in {r.status_code for r in answers}
+        assert all(r.headers.get("retry-after") for r in answers if r.status_code == 503)
     finally:
-        assert server.stop() == 0, "".join(server.lines)[-4000:]
+        if server.proc.poll() is None:
+            assert server.stop() == 0, "".join(server.lines)[-4000:]
     assert serve.status().applications["ditserve"].status == "RUNNING"
     assert serve.status().applications["ditserve"].deployments.keys() == before
     assert httpx.get(f"{ray_cluster['url']}/v1/models", timeout=60).status_code == 200
