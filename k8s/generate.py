@@ -28,6 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_VERSION = "2.60.0"
+RAY_TOKEN_SECRET = "ditserve-ray-token"  # the Secret holding Ray's auth token (key auth_token)
 IMAGE = "ditserve:0.1.0"  # build from the repository (see k8s/README.md)
 MANIFESTS = {  # config file -> (name, GPUs per worker pod or 0 for CPU-only, worker pods without autoscaling)
     "tiny-cpu-cluster.yaml": ("ditserve-tiny-cpu", 0, 1),
@@ -83,7 +84,7 @@ def replica_range(args: dict) -> tuple[int, int]:
     return (replica.get("num_replicas", 1),) * 2
 
 
-def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool, api_keys_env: str | None) -> dict:
+def _container(name: str, gpus: int, cpu: str, memory: str, head: bool, api_keys_env: str | None) -> dict:
     limits = {"cpu": cpu, "memory": memory}
     if gpus:
         limits["nvidia.com/gpu"] = gpus
@@ -101,8 +102,8 @@ def _container(name: str, gpus: int, cpu: str, memory: str, probes: bool, api_ke
         **({"volumeMounts": container_mounts} if container_mounts else {}),
         "env": env,
     }
-    if probes:
-        container["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
+    if head:  # KubeRay's port names: its head Service takes them from here
+        container["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
                               {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
     return container
 
@@ -119,19 +120,16 @@ def manifest(config_file: str) -> dict:
         pods_per_replica = gpus_per_replica(args) // gpus
         min_workers, max_workers = (n * pods_per_replica for n in replica_range(args))
     volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "ditserve-models"}}] if gpus else []
-    head = _container("ray-head", 0, "4", "16Gi", probes=True, api_keys_env=api_keys_env)
+    head = _container("ray-head", 0, "4", "16Gi", head=True, api_keys_env=api_keys_env)
     if gpus:
         head["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
-    head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 10,
-                              "failureThreshold": 6}
-    # Liveness asks Serve's proxy, not the app: an app that cannot serve (a failed redeploy)
-    # is taken out of the Service by readiness; restarting the head would not mend it.
-    head["livenessProbe"] = {"httpGet": {"path": "/-/healthz", "port": 8000}, "initialDelaySeconds": 120,
-                             "periodSeconds": 30, "failureThreshold": 5}
+    # No probes of our own: KubeRay injects its own (raylet and GCS health; on workers Serve's
+    # proxy too) only where none is given, and it submits serveConfigV2 only once the head pod is
+    # Ready, so a readiness probe on the app (port 8000) waited for itself and never passed.
     # A GPU pod holds whole replicas: at least their bundles' CPUs, and 32 GiB of memory per GPU.
     worker_cpus = str(max(32, cpus_per_replica(args) * gpus // max(gpus_per_replica(args), 1))) if gpus else "4"
     worker = _container("ray-worker", gpus, worker_cpus, f"{max(128, 32 * gpus)}Gi" if gpus else "16Gi",
-                        probes=False, api_keys_env=api_keys_env)
+                        head=False, api_keys_env=api_keys_env)
     worker_volumes = volumes + ([{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}}]
                                 if gpus else [])
     affinity = {}
@@ -150,9 +148,14 @@ def manifest(config_file: str) -> dict:
             "deploymentUnhealthySecondThreshold": 900,
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                # Ray's token authentication (Ray >= 2.52, KubeRay >= 1.5.1): the dashboard, which
+                # the operator submits serveConfigV2 to over the head Service, and GCS take only
+                # requests carrying the token of this Secret (key auth_token); Serve's HTTP port
+                # is ditserve's own (auth.api_keys_env)
+                "authOptions": {"mode": "token", "secretName": RAY_TOKEN_SECRET},
                 **({"enableInTreeAutoscaling": True} if autoscaling else {}),
                 "headGroupSpec": {
-                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "127.0.0.1"},
+                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0"},
                     "template": {"spec": {"containers": [head], **({"volumes": volumes} if volumes else {})}},
                 },
                 "workerGroupSpecs": [{

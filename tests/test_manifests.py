@@ -73,11 +73,12 @@ def _pods(manifest: dict) -> list[dict]:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_secures_and_sizes_its_pods(path):
-    """Dashboard on the pod's loopback; the proxy's envelope middleware everywhere; GPU pods get
-    an in-memory /dev/shm and land only on GPUs their weights fit; auth keys come from a Secret."""
+    """Ray's token auth on (dashboard and GCS); the proxy's envelope middleware everywhere; GPU
+    pods get an in-memory /dev/shm and land only on GPUs their weights fit; auth keys come from
+    a Secret."""
     manifest = yaml.safe_load(path.read_text())
     cluster = manifest["spec"]["rayClusterConfig"]
-    assert cluster["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ditserve-ray-token"}
     args = next(a for a in yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
                 if a["import_path"] == "deployments.app:build_app")["args"]
     gpu = _generate().gpus_per_replica(args) > 0
@@ -134,3 +135,22 @@ def test_a_misspelled_field_is_caught():
     args["batching"]["max_batch_sise"] = 4  # a typo inside the embedded config's args
     with pytest.raises(Exception, match="max_batch_sise"):
         AppConfig.model_validate(args)
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_lets_kuberay_submit_its_serve_config(path):
+    """KubeRay submits ``serveConfigV2`` to the head's dashboard (port named ``dashboard`` of
+    the head Service) only once the head pod is Ready. The manifests bound the dashboard to the
+    pod's loopback (the operator could not reach it) and gave the head a readiness probe on the
+    app's ``/health`` at port 8000, which answers only after that submission: neither could
+    ever deploy. No probe of ours (KubeRay injects its own where none is given), the dashboard
+    on the pod's address, the head's ports under KubeRay's names."""
+    cluster = yaml.safe_load(path.read_text())["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"].get("dashboard-host", "0.0.0.0") == "0.0.0.0"
+    for pod in _pods(yaml.safe_load(path.read_text())):
+        for container in pod["containers"]:
+            assert not {"readinessProbe", "livenessProbe", "startupProbe"} & set(container), container["name"]
+    (container,) = head["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000}
