@@ -530,10 +530,27 @@ def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
         raise UsageError(f"-o {output}: the suffix names the image format; use one of "
                          f"{', '.join(SUFFIX_FORMATS)} (or none, for PNG)")
     output_format = SUFFIX_FORMATS.get(output.suffix.lower(), "png")
+    for name, given in _extra_fields(body, "output_format", "n"):
+        if name == "output_format" and given != output_format:  # PNG bytes in a .webp
+            raise UsageError(f"--extra: output_format {shown(given)} disagrees with -o {output}, whose suffix names "
+                             f"the format ({output_format}); leave it out")
+        if name == "n" and given != 1:  # the images past the first were made and dropped
+            raise UsageError(f"--extra: n {shown(given)}: the command writes one image (-o); run it once per "
+                             "image (--seed), or call the API for several")
     if output_format != "png":
         kwargs["output_format"] = output_format
     writable(output)
     return kwargs
+
+
+def _extra_fields(body: dict, *names: str):
+    """``(name, value)`` of each of ``names`` that ``body`` (the ``extra_body``) gives, itself or
+    in a nested ``extra_body``."""
+    nested = body.get("extra_body")
+    for source in (body, nested if isinstance(nested, dict) else {}):
+        for name in names:
+            if name in source:
+                yield name, source[name]
 
 
 def _form_fields(body: dict) -> dict:
@@ -611,12 +628,17 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
     return the final job. ``input_reference``: an image file that becomes the first frame
     (image-to-video models). Raises :class:`VideoJobFailed` if the job fails, and on Ctrl-C
     while the job runs deletes it (best effort, :data:`CANCEL_TIMEOUT_S`) and raises
-    :class:`VideoJobCancelled` (once it completed, a plain ``KeyboardInterrupt``: the job stays)."""
+    :class:`VideoJobCancelled` (once it completed, a plain ``KeyboardInterrupt``: the job stays).
+    Raises :class:`UsageError` for an ``output`` suffix other than .mp4 (the job's content is MP4)."""
+    if output.suffix and output.suffix.lower() != ".mp4":  # MP4 bytes in a .gif
+        raise UsageError(f"-o {output}: a video is written as MP4; use the suffix .mp4 (or none)")
     writable(output)
     client, body = _client_and_body(base_url, seed, steps, extra, api_key)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
         kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
+    from openai import APIConnectionError, APITimeoutError
+
     job = client.videos.create(prompt=prompt, extra_body=_form_fields(body), **kwargs)
     try:
         while job.status not in ("completed", "failed"):
@@ -626,10 +648,20 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
                 on_progress(job)
     except KeyboardInterrupt:
         raise VideoJobCancelled(job.id, _deleted(client, job.id)) from None
+    except APITimeoutError:  # an answer too slow: said as such
+        raise
+    except APIConnectionError as exc:  # the server answered the create: it went away (not "no server")
+        raise VideoJobLost(job.id, exc.__cause__ or exc) from exc
     if job.status == "failed":
         raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
     # completed: Ctrl-C from here on keeps the job (its MP4 can be downloaded again)
-    _write(output, client.videos.download_content(job.id).read())
+    try:
+        content = client.videos.download_content(job.id).read()
+    except APITimeoutError:
+        raise
+    except APIConnectionError as exc:
+        raise VideoJobLost(job.id, exc.__cause__ or exc) from exc
+    _write(output, content)
     return job.model_dump()
 
 
@@ -652,6 +684,18 @@ class VideoJobCancelled(KeyboardInterrupt):
     def __init__(self, video_id: str, deleted: bool):
         super().__init__(video_id)
         self.video_id, self.deleted = video_id, deleted
+
+
+class VideoJobLost(RuntimeError):
+    """The connection to the server failed while following video job ``video_id`` (it was
+    created: the server answered before)."""
+
+    def __init__(self, video_id: str, cause: BaseException):
+        super().__init__(video_id, type(cause).__name__)
+        self.video_id, self.cause = video_id, cause
+
+    def __reduce__(self):  # pickled with its fields (Exception's default re-calls __init__ with its args)
+        return type(self), (self.video_id, self.cause)
 
 
 class VideoJobFailed(RuntimeError):
@@ -749,6 +793,9 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError
 
     transports = _transport_modules()
+    if isinstance(exc, VideoJobLost):
+        return (f"error: the connection to {url} was lost while following video job {exc.video_id} "
+                f"({type(exc.cause).__name__}); is the server still running?")
     if isinstance(exc, (APITimeoutError, *(m.TimeoutException for m in transports))):
         return f"error: {url} did not answer in time (the client waits 600 s); is the server overloaded?"
     if isinstance(exc, APIConnectionError) and isinstance(exc.__cause__, tuple(m.ConnectError for m in transports)):

@@ -89,6 +89,7 @@ _ERROR_EXAMPLES = {
     "BatchCancelled": lambda cls: cls(3, 6, {1: 2}),
     "AdapterLoadError": lambda cls: cls("style", ValueError("not a LoRA"), "not a LoRA file"),
     "VideoJobFailed": lambda cls: cls("video-1", "generation_failed", "the replica stopped"),
+    "VideoJobLost": lambda cls: cls("video-1", ConnectionRefusedError("refused")),
 }
 
 

@@ -223,6 +223,33 @@ def test_an_output_suffix_naming_no_image_format_is_refused_before_any_request(t
         server.shutdown()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "a", "-o", "{tmp}/b.webp", "--extra", '{"output_format": "png"}'],
+     "--extra: output_format 'png' disagrees with -o"),  # PNG bytes were written as b.webp
+    (["generate", "a", "-o", "{tmp}/b.png", "--extra", '{"extra_body": {"output_format": "jpeg"}}'],
+     "--extra: output_format 'jpeg' disagrees with -o"),
+    (["edit", "{tmp}/in.png", "a", "-o", "{tmp}/b.jpg", "--extra", '{"output_format": "webp"}'],
+     "--extra: output_format 'webp' disagrees with -o"),
+    (["generate", "a", "-o", "{tmp}/c.png", "--extra", '{"n": 2}'],
+     "--extra: n 2: the command writes one image"),  # the second image was made and dropped
+    (["edit", "{tmp}/in.png", "a", "-o", "{tmp}/c.png", "--extra", '{"n": 3}'],
+     "--extra: n 3: the command writes one image"),
+    (["video", "a", "-o", "{tmp}/v.gif"], "v.gif: a video is written as MP4"),  # MP4 bytes in a .gif
+])
+def test_an_extra_or_a_suffix_that_would_write_other_bytes_is_refused_before_any_request(tmp_path, capsys,
+                                                                                       argv, said):
+    server = _Answering(200, "application/json", b"{}")
+    try:
+        (tmp_path / "in.png").write_bytes(b"")
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--url", server.url]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+        assert server.posts == 0
+    finally:
+        server.shutdown()
+
+
 def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, capsys, monkeypatch):
     """Ctrl-C left the job running on the server (and printed a traceback). The progress bar,
     drawn once the first poll answers, is where the Ctrl-C lands here."""
@@ -254,6 +281,27 @@ def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, c
         assert err.count("\n") == 1 and err.startswith("cancelled: video job video_1 may still run on the server")
     finally:
         server.shutdown()
+
+
+def test_a_server_gone_while_a_video_job_runs_is_not_called_a_missing_server(tmp_path, capsys, monkeypatch):
+    """The server answered the create, then went away: the line said "no ditserve server at
+    URL; start one" and never named the job."""
+    import time
+
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    sleep = time.sleep
+
+    def gone(seconds):  # the poll's wait: the server stops listening
+        server.shutdown()
+        server.server_close()
+        sleep(0)
+
+    monkeypatch.setattr(time, "sleep", gone)
+    assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: the connection to {server.url} was lost while following video job video_1 (ConnectError)"), err
 
 
 def test_ctrl_c_once_the_video_job_completed_keeps_it(tmp_path, capsys, monkeypatch):
