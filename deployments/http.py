@@ -146,10 +146,31 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_of_unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's members as a dict; raises ``_RepeatedKey`` for a key given twice (the
+    last silently won: ``{"prompt": "x", "prompt": "y"}`` ran "y")."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _RepeatedKey(key)
+        obj[key] = value
+    return obj
+
+
 def parse_json(raw: bytes):
-    """JSON text → value. Raises ``InvalidRequestError`` for malformed or too deeply nested JSON."""
+    """JSON text → value. Raises ``InvalidRequestError`` for malformed or too deeply nested
+    JSON, and for an object that gives a key more than once (as a form field given twice)."""
     try:
-        return json.loads(raw or b"null")
+        return json.loads(raw or b"null", object_pairs_hook=_object_of_unique_keys)
+    except _RepeatedKey as exc:
+        raise InvalidRequestError(f"request body gives the key {shown(exc.key)} more than once in one object; "
+                                  "it takes one value", param=exc.key[:64], code="invalid_json") from None
     except RecursionError:
         raise InvalidRequestError("request body nests too deeply", param="body", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -242,9 +263,13 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
                                       code="invalid_value")
         elif key not in _FORM_TEXT_FIELDS:
             try:
-                value = json.loads(value)
+                value = json.loads(value, object_pairs_hook=_object_of_unique_keys)
             except (ValueError, RecursionError):
                 pass
+            except _RepeatedKey as exc:
+                raise InvalidRequestError(f"form field {key[:40]!r} gives the key {shown(exc.key)} more than once "
+                                          "in one object; it takes one value", param=path[0],
+                                          code="invalid_form") from None
         if "" not in path[:-1]:
             _form_put(body, path, value, key, repeatable=path[0] in files)
             continue

@@ -30,6 +30,7 @@ from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
 from pipeline.contract.lora import adapter_model_id
+from pipeline.contract.text import shown
 from pipeline.contract.videos import (LIST_PARAMS, ListOrder, VideoGenerationRequest, VideoJob, VideoList,
                                       validate_list_params, validate_video_request)
 from pipeline.errors import InternalError, InvalidRequestError, ServiceUnavailableError
@@ -376,9 +377,9 @@ class Ingress:
         """The finished job's MP4 (``variant`` ``video``) or its thumbnail, the first frame as WebP
         (``thumbnail``, OpenAI's variant name). Raises ``NotFoundError``, or
         ``InvalidRequestError`` (not completed, or another variant)."""
-        if variant not in VIDEO_VARIANTS:
+        if not isinstance(variant, str) or variant not in VIDEO_VARIANTS:  # a handle call may pass anything
             raise InvalidRequestError(f"variant must be one of {', '.join(VIDEO_VARIANTS)} (the assets served), got "
-                                      f"{variant[:40]!r}", param="variant", code="invalid_value")
+                                      f"{shown(variant)}", param="variant", code="invalid_value")
         return await self._call(self._router.job_content, video_id, variant)
 
     async def delete_video(self, video_id: str) -> dict:

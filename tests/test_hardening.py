@@ -129,6 +129,22 @@ def test_deep_nesting_is_a_400_in_json_and_in_forms():
     assert refused(body).param == "cache_dit_params"
 
 
+def test_a_key_given_twice_in_a_json_object_is_a_400_naming_it():
+    """``{"prompt": "x", "prompt": "y"}`` ran "y" without a word (a form field given twice is refused)."""
+    with pytest.raises(InvalidRequestError, match="gives the key 'prompt' more than once") as err:
+        parse_json(b'{"prompt": "x", "num_inference_steps": 2, "prompt": "y"}')
+    assert err.value.param == "prompt" and err.value.code == "invalid_json"
+    with pytest.raises(InvalidRequestError, match="gives the key 'scale' more than once") as err:
+        parse_json(b'{"prompt": "x", "lora": [{"name": "a", "scale": 1, "scale": 2}]}')  # at any depth
+    assert parse_json(b'{"a": {"k": 1}, "b": {"k": 2}}') == {"a": {"k": 1}, "b": {"k": 2}}  # one per object
+    with pytest.raises(InvalidRequestError, match="form field 'lora' gives the key 'name' more than once") as err:
+        form_to_body([("prompt", "a"), ("lora", '[{"name": "a", "name": "b"}]')])  # JSON text in a form field
+    assert err.value.param == "lora"
+    for body in ([1], "x", None):  # valid JSON, not an object: the envelope's code was null
+        err = refused(body)
+        assert err.param == "body" and err.code == "invalid_value" and "JSON object" in err.message
+
+
 def sdk_form(call, files: tuple[str, ...]) -> dict:
     """The body the Ingress decodes (Starlette's form parser, then ``form_to_body``) from the
     multipart form OpenAI's SDK sends for ``call(client)``: the SDK's own encoding, byte for byte."""
@@ -250,3 +266,17 @@ def test_resolved_requests_json_roundtrip_of_form_bodies():
     assert body == {"prompt": "a", "num_inference_steps": 8, "cache_dit_params": {"scm_cache_bins": [2]}}
     assert json.loads(json.dumps(body)) == body
     assert resolve(validate_image_request({"prompt": "a"}, LIMITS), LIMITS).num_inference_steps == 16
+
+
+@pytest.mark.parametrize("variant", [None, 5, ["video"], "x" * 5000])
+def test_a_handle_call_with_a_variant_that_is_not_one_is_a_400_naming_it(variant):
+    """Through a handle ``video_content(id, variant=None)`` raised ``TypeError: 'NoneType' object
+    is not subscriptable`` (the message cut the value as a string); a list was unhashable."""
+    import asyncio
+
+    from deployments.ingress import Ingress
+
+    ingress = object.__new__(Ingress.func_or_class)  # the check comes before any Router call
+    with pytest.raises(InvalidRequestError, match="variant must be one of video, thumbnail") as err:
+        asyncio.run(ingress.video_content("video_1", variant))
+    assert err.value.param == "variant" and len(err.value.message) < 200

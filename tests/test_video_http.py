@@ -288,7 +288,7 @@ def test_a_long_video_id_is_cut_in_every_message_that_echoes_it(url):
         answer = httpx.request(method, f"{url}/v1/videos/{long_id}{path}", timeout=30)
         error = answer.json()["error"]
         assert answer.status_code == 404 and error["code"] == "video_not_found", (method, path)
-        assert len(error["message"]) < 300 and "(5008 characters)" in error["message"], error["message"]
+        assert len(error["message"]) < 300 and "(5006 characters)" in error["message"], error["message"]
     refused = httpx.get(f"{url}/v1/videos/video_nope/content", params={"variant": "video", "x" * 5000: "1"})
     assert refused.status_code == 400 and len(refused.json()["error"]["message"]) < 300
 

@@ -383,7 +383,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
     if isinstance(body, BaseModel):
         body = body.model_dump(exclude_unset=True)
     if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", param="body")
+        raise InvalidRequestError("request body must be a JSON object", param="body", code="invalid_value")
     check_shape(body, limits)
     model_adapter(body.get("model"), limits)  # 404 before any 400: the model is checked first
     try:

@@ -15,9 +15,14 @@ ALLOWED_CONTROL = frozenset("\t\n\r")
 
 
 def shown(value, limit: int = 40) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input."""
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input; a cut
+    one says how long the input was (a string's characters, not its ``repr``'s)."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"...' ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, str):
+        return text[:limit] + f"...' ({len(value)} characters)"
+    return text[:limit] + f"... ({len(text)} characters as written)"
 
 
 def text_problem(field: str, value: str, special_tokens: tuple[str, ...] = ()) -> str | None:
