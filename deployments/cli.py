@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import errno
 import importlib
 import json
@@ -637,32 +638,36 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
         kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
+    job = client.videos.create(prompt=prompt, extra_body=_form_fields(body), **kwargs)
+    with _following(job.id):
+        try:
+            while job.status not in ("completed", "failed"):
+                time.sleep(poll_s)
+                job = client.videos.retrieve(job.id)
+                if on_progress is not None:
+                    on_progress(job)
+        except KeyboardInterrupt:
+            raise VideoJobCancelled(job.id, _deleted(client, job.id)) from None
+        if job.status == "failed":
+            raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
+        # completed: Ctrl-C from here on keeps the job (its MP4 can be downloaded again)
+        content = client.videos.download_content(job.id).read()
+    _write(output, content)
+    return job.model_dump()
+
+
+@contextlib.contextmanager
+def _following(video_id: str):
+    """Raise :class:`VideoJobLost` for a connection that fails while job ``video_id`` (created:
+    the server answered) is followed, not "no server"; a timeout stays a timeout."""
     from openai import APIConnectionError, APITimeoutError
 
-    job = client.videos.create(prompt=prompt, extra_body=_form_fields(body), **kwargs)
     try:
-        while job.status not in ("completed", "failed"):
-            time.sleep(poll_s)
-            job = client.videos.retrieve(job.id)
-            if on_progress is not None:
-                on_progress(job)
-    except KeyboardInterrupt:
-        raise VideoJobCancelled(job.id, _deleted(client, job.id)) from None
-    except APITimeoutError:  # an answer too slow: said as such
-        raise
-    except APIConnectionError as exc:  # the server answered the create: it went away (not "no server")
-        raise VideoJobLost(job.id, exc.__cause__ or exc) from exc
-    if job.status == "failed":
-        raise VideoJobFailed(job.id, getattr(job.error, "code", None), getattr(job.error, "message", None))
-    # completed: Ctrl-C from here on keeps the job (its MP4 can be downloaded again)
-    try:
-        content = client.videos.download_content(job.id).read()
+        yield
     except APITimeoutError:
         raise
     except APIConnectionError as exc:
-        raise VideoJobLost(job.id, exc.__cause__ or exc) from exc
-    _write(output, content)
-    return job.model_dump()
+        raise VideoJobLost(video_id, exc.__cause__ or exc) from exc
 
 
 CANCEL_TIMEOUT_S = 5.0  # how long Ctrl-C waits for the server to delete the job

@@ -234,7 +234,7 @@ class Router:
         update (:meth:`refused_adapters`), counting the rejection."""
         self._trimmer.busy()
         self._refuse_if_unservable(params.request_id)
-        refused = sorted({spec.name for spec in params.lora} & self.refused_adapters())
+        refused = sorted({spec.name for spec in params.lora} & self.refused_adapters()) if params.lora else ()
         if refused:
             self._reject("adapter_refused")
             raise InvalidRequestError(f"LoRA adapter {refused[0]!r} was refused by every replica when the adapter "
