@@ -20,7 +20,8 @@ RELIES_ON = (
     Reliance("ray.serve._private.request_router.pow_2_router", "PowerOfTwoChoicesRequestRouter",
              "Serve's default request router, subclassed to watch the replica set with affinity off"),
     Reliance("ray.serve.context", "ReplicaContext",
-             "a replica's live deployment options (its private _deployment_config: max_ongoing_requests)"),
+             "a replica's live deployment options (its private _deployment_config: max_ongoing_requests, "
+             "num_replicas, autoscaling_config)"),
     Reliance("ray._raylet", "GcsClient",
              "asking a cluster once whether it refuses this process's token (ray.init retries for ~20 s)"),
 )
@@ -81,17 +82,29 @@ def power_of_two_choices_router() -> type:
     return PowerOfTwoChoicesRequestRouter
 
 
+def _deployment_config():
+    """The calling replica's private ``DeploymentConfig`` as Serve runs it now."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context()._deployment_config
+    except AttributeError as exc:
+        raise CompatError(f"Ray Serve's ReplicaContext no longer has _deployment_config ({exc}); ditserve is "
+                          f"tested with ray{TESTED}") from None
+
+
 def max_ongoing_requests() -> int:
     """The calling replica's ``max_ongoing_requests`` as Serve runs it now (a config file's
     ``deployments`` section changes it without restarting the replica: Serve reconfigures the
     running replica and its context). Only inside a replica."""
-    from ray import serve
+    return _deployment_config().max_ongoing_requests
 
-    try:
-        return serve.get_replica_context()._deployment_config.max_ongoing_requests
-    except AttributeError as exc:
-        raise CompatError(f"Ray Serve's ReplicaContext no longer has _deployment_config ({exc}); ditserve is "
-                          f"tested with ray{TESTED}") from None
+
+def most_replicas() -> int:
+    """The calling replica's deployment's replica count at most, as Serve runs it now: its
+    ``autoscaling_config``'s ``max_replicas``, else ``num_replicas``. Only inside a replica."""
+    config = _deployment_config()
+    return config.autoscaling_config.max_replicas if config.autoscaling_config else config.num_replicas
 
 
 def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:

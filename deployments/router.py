@@ -30,6 +30,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
+from compat import ray_serve as compat
 from deployments.config import admission_limit_of, batching_update, queued_batch_limit
 from deployments.jobs import JobStore, VideoJobs
 from deployments.live_config import LiveUpdates
@@ -89,10 +90,20 @@ class Router:
     The batching knobs (``deployments.config.BatchingConfig``) arrive as Serve's
     ``user_config`` through :meth:`reconfigure`, so they change without a restart.
     ``capacity``: batches that may run at once while the replica set is not yet known.
+    Raises ``ValueError`` when its deployment asks for more than one replica (a Serve config
+    file's ``deployments`` entry applied by a live ``serve deploy``, which ``bind_app`` never
+    sees): its queues, counters and video jobs are its own, so a second Router's jobs would
+    404 on the first. Serve then reports the deployment ``DEPLOY_FAILED`` with this message
+    while the running Router keeps serving.
     """
 
     def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0,
                  batching: dict | None = None):
+        asked = compat.most_replicas()
+        if asked != 1:
+            raise ValueError(f"the Router runs as one replica (it holds the queues and the video jobs); its "
+                             f"deployment asks for {asked}: drop the Router entry's num_replicas / "
+                             "autoscaling_config (scale DiTReplica, or the Ingress)")
         os.nice(routing_nice)  # below the proxy, which answers refusals (replica.routing_nice)
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs

@@ -414,13 +414,17 @@ def test_shutdown_without_affinity_answers_every_request_once(deploy):
 
 def _deploy_config(args: dict, router_user_config: dict, deployments: tuple = (), running: bool = True) -> None:
     """Deploy as a Serve config file is deployed (serve deploy / serve run FILE / RayService),
-    with the Router's batching knobs (and ``deployments``' entries) in the file's ``deployments``
-    section; with ``running``, wait until the app runs."""
+    with the Router's batching knobs (and ``deployments``' entries; a Router one adds to its
+    entry) in the file's ``deployments`` section; with ``running``, wait until the app runs."""
     from ray.serve.schema import ServeDeploySchema
 
+    router = {"name": "Router", "user_config": router_user_config}
+    for entry in deployments:
+        if entry["name"] == "Router":
+            router.update(entry)
     config = ServeDeploySchema.model_validate({"applications": [
         {"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
-         "deployments": [{"name": "Router", "user_config": router_user_config}, *deployments]}]})
+         "deployments": [router, *(e for e in deployments if e["name"] != "Router")]}]})
     deploy_config(config, wait_running=False)
     if running:
         wait_until(lambda: serve.status().applications["ditserve"].status == "RUNNING", timeout=120)
@@ -491,6 +495,44 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         assert gated()["acceleration"]["cfg_gate"]["gate_step"] == 0.5  # args' default, kept
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
+
+
+def test_a_config_giving_the_router_a_second_replica_is_refused_and_a_running_one_serves_on(ray_cluster):
+    """A Serve config file whose ``deployments`` section gives the Router 2 replicas (which
+    ``bind_app``, and so ``ditserve serve --check``, never sees when Serve deploys the file): each
+    Router replica refuses to start naming the fix, so a fresh deploy is DEPLOY_FAILED; a live
+    ``serve deploy`` onto a running app leaves the running Router serving alone (its queues and
+    video jobs: a second Router took half the requests, and their video jobs 404ed on the
+    first) while Serve retries the second and reports why in the Router's status message."""
+    one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1}}
+    if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
+        serve.delete("ditserve")
+    url = ray_cluster["url"]
+    two_routers = ({"name": "Router", "num_replicas": 2},)
+
+    def router_status():  # a blank one while the app is still being built
+        from ray.serve.schema import DeploymentStatusOverview
+
+        app = serve.status().applications.get("ditserve")
+        return (app.deployments.get("Router") if app else None) or DeploymentStatusOverview(
+            status="UPDATING", status_trigger="UNSPECIFIED", replica_states={}, message="")
+
+    try:
+        _deploy_config(one, one["batching"], two_routers, running=False)
+        wait_until(lambda: router_status().status == "DEPLOY_FAILED", timeout=120)
+        assert "runs as one replica" in router_status().message and "asks for 2" in router_status().message
+        serve.delete("ditserve")
+        _deploy_config(one, one["batching"])
+        router = stats(url)["router_replica"]
+        _deploy_config(one, one["batching"], two_routers, running=False)
+        wait_until(lambda: "runs as one replica" in router_status().message, timeout=120)
+        for seed in range(4):
+            r = post(url, {"prompt": "after", "seed": seed, **FAST})
+            assert r.status_code == 200, r.text
+        assert stats(url)["router_replica"] == router
+        assert router_status().replica_states.get("RUNNING") == 1
+    finally:
+        serve.delete("ditserve")
 
 
 def test_a_redeploy_whose_replicas_fail_to_start_answers_503_at_once(ray_cluster):
