@@ -8,10 +8,11 @@ import uuid
 from dataclasses import dataclass
 
 from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
     edit_mode, effective_steps
 from pipeline.contract.images import ImageGenerationRequest
-from pipeline.contract.limits import ServingLimits, parse_size, splits_evenly
+from pipeline.contract.limits import ServingLimits, parse_size, split_problem
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import InvalidRequestError
@@ -160,10 +161,34 @@ def _seed(request) -> int:
     return request.seed if request.seed is not None else secrets.randbelow(2**31)
 
 
+def check_unrequested_cache_dit(params: SamplingParams, request, limits: ServingLimits) -> SamplingParams:
+    """``params`` when its Cache-DiT knobs fit the model and its steps (``effective_steps``),
+    checked here for knobs the request did not give (the server's default
+    ``acceleration.cache_dit_params``, or cache-dit's own defaults for ``enable_cache_dit``
+    alone; a request's own are checked with its fields). Raises ``InvalidRequestError``
+    naming ``cache_dit_params`` (a 400: cache-dit asserted in the batch, a 500)."""
+    if not params.enable_cache_dit or request.cache_dit_params is not None or params.cache_dit_params is None:
+        return params
+    problems = cache_dit_problems(params.cache_dit_params, limits, params.effective_steps)
+    if problems:
+        source = ("cache-dit's own defaults (no cache_dit_params given)" if params.cache_dit_params == CacheDiTParams()
+                  else "the server's default acceleration.cache_dit_params")
+        raise InvalidRequestError(f"cache_dit_params: Cache-DiT would run with {source}, which do not fit this "
+                                  f"request: {'; '.join(problems)}; give cache_dit_params that fit, or "
+                                  "enable_cache_dit: false", param="cache_dit_params", code="invalid_value")
+    return params
+
+
 def resolve(request: ImageGenerationRequest, limits: ServingLimits,
             defaults: AccelerationDefaults = AccelerationDefaults(),
             request_id: str | None = None) -> SamplingParams:
-    """Apply server defaults to a validated image request."""
+    """Apply server defaults to a validated image request. Raises ``InvalidRequestError``
+    (:func:`check_unrequested_cache_dit`)."""
+    return check_unrequested_cache_dit(_resolve_image(request, limits, defaults, request_id), request, limits)
+
+
+def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defaults: AccelerationDefaults,
+                   request_id: str | None) -> SamplingParams:
     width, height = _size(request, limits)
     return SamplingParams(
         request_id=request_id or f"img-{uuid.uuid4().hex[:16]}",
@@ -187,29 +212,29 @@ def resolve(request: ImageGenerationRequest, limits: ServingLimits,
     )
 
 
-def check_split(width: int, height: int, limits: ServingLimits, field: str, frames: int = 1) -> None:
+def check_split(width: int, height: int, limits: ServingLimits, field: str) -> None:
     """Sequence parallelism splits a sample's latent tokens evenly across the ranks; raises
-    ``InvalidRequestError`` naming ``field`` for a size that cannot be split."""
-    f = limits.spatial_factor
-    tokens = frames * (width // f) * (height // f)
-    if not splits_evenly(tokens, limits):
-        raise InvalidRequestError(f"{field}: the output size {width}x{height} gives {tokens} latent tokens, which "
-                                  f"cannot be split evenly across the replica's {limits.world_size} "
-                                  "sequence-parallel ranks; give a size that can", param=field, code="invalid_value")
+    ``InvalidRequestError`` naming ``field`` for an image size that cannot be split
+    (:func:`split_problem`)."""
+    problem = split_problem(width, height, limits)
+    if problem:
+        raise InvalidRequestError(f"{field}: the output {problem}", param=field, code="invalid_value")
 
 
 def resolve_edit(request: ImageEditRequest, limits: ServingLimits,
                  defaults: AccelerationDefaults = AccelerationDefaults(),
                  request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated edit and decode its uploads (Pillow, in the Ingress).
-    Raises ``InvalidRequestError`` naming ``image`` or ``mask`` for an upload that fails."""
+    Raises ``InvalidRequestError`` naming ``image`` or ``mask`` for an upload that fails, or
+    ``cache_dit_params`` (:func:`check_unrequested_cache_dit`, for the steps ``strength`` runs)."""
     mode = edit_mode(request, limits)
     width, height, images, mask = decode_edit_inputs(request, limits)
     check_split(width, height, limits, "size" if request.size else "image")
-    base = resolve(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
+    base = _resolve_image(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
     strength = request.strength if request.strength is not None else default_strength(mode, limits)
-    return dataclasses.replace(base, input_mode=mode, strength=strength, num_input_images=len(images),
-                               images=images, mask=mask)
+    return check_unrequested_cache_dit(dataclasses.replace(base, input_mode=mode, strength=strength,
+                                                           num_input_images=len(images), images=images, mask=mask),
+                                       request, limits)
 
 
 def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
@@ -217,12 +242,13 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
                   request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated video request (one video per request); an
     ``input_reference`` is decoded here (image-to-video). Raises ``InvalidRequestError``
-    naming ``input_reference`` for an upload that fails."""
+    naming ``input_reference`` for an upload that fails, or ``cache_dit_params``
+    (:func:`check_unrequested_cache_dit`)."""
     width, height = _size(request, limits)
     reference = ()
     if request.input_reference is not None:
         reference = (decode_reference(request.input_reference, width, height, limits, "input_reference"),)
-    return SamplingParams(
+    return check_unrequested_cache_dit(SamplingParams(
         input_mode=InputMode.IMAGE_TO_VIDEO if reference else InputMode.TEXT,
         num_input_images=len(reference),
         images=reference,
@@ -244,4 +270,4 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
         fps=request.fps or limits.default_fps,
         **_guidance(request, limits),
         **_acceleration(request, defaults),
-    )
+    ), request, limits)

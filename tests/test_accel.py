@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
@@ -64,6 +65,61 @@ def test_resolution_rules_feed_the_table():
     assert not wanted({"enable_cache_dit": False}, on)  # False beats a default of on
     assert not wanted({})  # None follows a default of off: after True, this unmounts
     assert wanted({}, on)
+
+
+def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner):
+    """The server's default ``acceleration.cache_dit_params``, and cache-dit's own defaults for
+    ``enable_cache_dit`` alone, reached the batch unchecked: cache-dit asserted
+    ``Fn_compute_blocks`` within the model's blocks there and the batch failed 500. Now each is
+    a 400 naming ``cache_dit_params``, on every route, for the steps that run (an edit's
+    ``strength``); a request's own knobs or ``enable_cache_dit: false`` go past a bad default."""
+    from PIL import Image
+
+    from pipeline.contract.edits import validate_edit_request
+    from pipeline.contract.videos import validate_video_request
+    from pipeline.errors import InvalidRequestError
+    from pipeline.modes import InputMode
+    from pipeline.sampling import resolve_edit, resolve_video
+
+    too_many = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(Fn_compute_blocks=20))
+    with pytest.raises(AssertionError, match="Fn_compute_blocks 20"):  # what the batch met
+        runner.run(batch_of(dataclasses.replace(
+            resolve(validate_image_request({**BASE, "cache_dit_params": {"Fn_compute_blocks": 2}}, LIMITS), LIMITS),
+            cache_dit_params=too_many.cache_dit_params)))
+
+    def refused(resolving) -> str:
+        with pytest.raises(InvalidRequestError) as info:
+            resolving()
+        assert info.value.param == "cache_dit_params" and info.value.status_code == 400
+        return str(info.value)
+
+    image = lambda body, limits=LIMITS, defaults=too_many: resolve(  # noqa: E731
+        validate_image_request({**BASE, **body}, limits), limits, defaults)
+    assert "the server's default acceleration.cache_dit_params" in refused(lambda: image({}))
+    assert "= 20 exceeds the model's 10 transformer blocks" in refused(lambda: image({}))
+    assert not image({"enable_cache_dit": False}).enable_cache_dit
+    assert image({"cache_dit_params": {"Fn_compute_blocks": 2}}).cache_dit_params.Fn_compute_blocks == 2
+    four_blocks = dataclasses.replace(LIMITS, num_blocks=4)
+    message = refused(lambda: image({"enable_cache_dit": True}, four_blocks, AccelerationDefaults()))
+    assert "cache-dit's own defaults" in message and "(Fn_compute_blocks unset: cache-dit's 8)" in message
+    assert image({"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 4}}, four_blocks,
+                 AccelerationDefaults()).enable_cache_dit
+
+    warm_6 = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(max_warmup_steps=6))
+    assert "max_warmup_steps must be at most num_inference_steps (4)" in refused(
+        lambda: image({"num_inference_steps": 4}, defaults=warm_6))
+    assert image({"num_inference_steps": 8}, defaults=warm_6).enable_cache_dit
+    editing = dataclasses.replace(LIMITS, input_modes=(InputMode.IMAGE_TO_IMAGE,), max_input_pixels=64 * 64)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
+    edit = lambda strength: resolve_edit(validate_edit_request(  # noqa: E731
+        {**BASE, "num_inference_steps": 8, "image": buf.getvalue(), "strength": strength}, editing), editing, warm_6)
+    assert edit(1.0).effective_steps == 8
+    assert "at most num_inference_steps (4)" in refused(lambda: edit(0.5))  # strength 0.5 runs 4 of the 8
+    video = ServingLimits("tiny-wan", 16, 64, 48, 12, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                          guidance_embeds=False, num_blocks=10)
+    assert "at most num_inference_steps (4)" in refused(lambda: resolve_video(
+        validate_video_request({"prompt": "a ball", "num_inference_steps": 4}, video), video, warm_6))
 
 
 def test_secondary_inherits_primary_knobs_and_scm_masks_reach_cache_dit():

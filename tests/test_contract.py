@@ -238,6 +238,27 @@ def test_sizes_must_split_across_the_ranks_unless_the_model_pads_its_sequence():
     with pytest.raises(InvalidRequestError, match="cannot be split"):  # 3 ranks do not divide 32, nor 4 x 2 tokens
         validate_image_request({"prompt": "x", "size": "32x16"},
                                dataclasses.replace(two, world_size=3, sequence_multiple=32))
+    with pytest.raises(InvalidRequestError) as info:  # the numbers and the rule
+        validate_image_request({"prompt": "x", "size": "24x24"}, two)
+    assert info.value.param == "size" and ("size: size 24x24 is (24/8)·(24/8) = 9 latent tokens" in str(info.value)
+                                           and "allowed: sizes whose (width/8)·(height/8) is a multiple of 2"
+                                           in str(info.value))
+
+
+def test_a_video_that_cannot_split_names_its_frames_beside_its_size():
+    """48x48 with 9 frames is 3·3·3 = 27 latent tokens on 2 ranks; 5 frames (2 latent frames)
+    split. The message named only the size (the same size split with other frames) and gave no
+    rule."""
+    from pipeline.contract.videos import validate_video_request
+
+    wan = ServingLimits("tiny-wan", 16, 64, 48, 4, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                        guidance_embeds=False, world_size=2)
+    validate_video_request({"prompt": "a ball", "size": "48x48", "num_frames": 5}, wan)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_video_request({"prompt": "a ball", "size": "48x48", "num_frames": 9}, wan)
+    message = str(info.value)
+    assert info.value.param == "size" and "size 48x48 with num_frames giving 3 latent frames" in message, message
+    assert "(48/16)·(48/16)·3 = 27 latent tokens" in message and "multiple of 2" in message
 
 
 def test_null_in_cache_dit_params_is_unset():

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, splits_evenly
+from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, split_problem
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
@@ -100,6 +100,36 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
     if valid is not None and steps not in valid:
         problems.append(f"cache_dit_params.scm_preset {preset!r} needs num_inference_steps in "
                         f"{_ranges(valid)} (cache-dit's masks), got {steps}")
+    return problems
+
+
+def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int | None) -> list[str]:
+    """What in ``cache_dit_params`` does not fit the model and a run of ``steps`` denoising
+    steps (None: the steps are not known yet, only the model is checked): ``secondary`` only
+    for models with two transformers (and not for paired ones under CFG parallelism), Fn + Bn
+    within the model's blocks (an unset ``Fn_compute_blocks`` is cache-dit's default, 8:
+    cache-dit asserts each within the blocks), then :func:`step_problems`. One message per
+    problem."""
+    problems = []
+    if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
+        problems.append("cache_dit_params.secondary is only for models with two transformers; "
+                        f"{limits.model_name!r} has one")
+    elif params.secondary is not None and limits.dual_mode == DualMode.PAIRED and limits.cfg_degree > 1:
+        # the two transformers run on the two CFG groups at once, and cache-dit's decisions are one
+        # all-reduce over both: their knobs must call it at the same steps (parallel.cfg)
+        problems.append("cache_dit_params.secondary cannot be set on this replica: its paired transformers "
+                        "run in parallel (parallel.cfg_degree=2) and share every Cache-DiT decision; give "
+                        "the knobs once, for both")
+    if limits.num_blocks:
+        for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
+            knobs = params.for_transformer(name)
+            used = (knobs.Fn_compute_blocks or 8) + (knobs.Bn_compute_blocks or 0)  # cache-dit's Fn default: 8
+            if used > limits.num_blocks and (name == "transformer" or params.secondary is not None):
+                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
+                                f"model's {limits.num_blocks} transformer blocks"
+                                + ("" if knobs.Fn_compute_blocks else " (Fn_compute_blocks unset: cache-dit's 8)"))
+    if steps is not None:
+        problems += step_problems(params, limits, steps)
     return problems
 
 
@@ -269,40 +299,23 @@ class GenerationRequest(BaseModel):
         limits = limits_of(info)
         if not limits or params is None:
             return params
-        problems = []
-        if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
-            problems.append("cache_dit_params.secondary is only for models with two transformers; "
-                            f"{limits.model_name!r} has one")
-        elif params.secondary is not None and limits.dual_mode == DualMode.PAIRED and limits.cfg_degree > 1:
-            # the two transformers run on the two CFG groups at once, and cache-dit's decisions are one
-            # all-reduce over both: their knobs must call it at the same steps (parallel.cfg)
-            problems.append("cache_dit_params.secondary cannot be set on this replica: its paired transformers "
-                            "run in parallel (parallel.cfg_degree=2) and share every Cache-DiT decision; give "
-                            "the knobs once, for both")
-        if limits.num_blocks:
-            for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
-                knobs = params.for_transformer(name)
-                used = (knobs.Fn_compute_blocks or 8) + (knobs.Bn_compute_blocks or 0)  # cache-dit's Fn default: 8
-                if used > limits.num_blocks and (name == "transformer" or params.secondary is not None):
-                    problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
-                                    f"model's {limits.num_blocks} transformer blocks")
-        if not cls.steps_follow_strength:  # else checked once strength is known (pipeline.contract.edits)
-            problems += step_problems(params, limits, info.data.get("num_inference_steps") or limits.default_steps)
+        steps = None if cls.steps_follow_strength else (info.data.get("num_inference_steps") or limits.default_steps)
+        problems = cache_dit_problems(params, limits, steps)  # edits: once strength is known (contract.edits)
         if problems:
             raise ValueError("; ".join(problems))
         return params
 
-    def check_split(self, limits: ServingLimits | None, latent_frames: int) -> None:
+    def check_split(self, limits: ServingLimits | None, latent_frames: int, frames_field: str | None = None) -> None:
         """Sequence parallelism splits the latent tokens of a sample evenly across the ranks
-        (unless the model pads its sequence to a multiple the ranks divide: any size splits)."""
+        (unless the model pads its sequence to a multiple the ranks divide: any size splits).
+        Raises ``ValueError`` starting ``size:`` (:func:`split_problem`: the numbers and the
+        rule, naming ``frames_field`` too for a video)."""
         if not limits:
             return
         width, height = parse_size(self.size) if self.size else (limits.default_width, limits.default_height)
-        f = limits.spatial_factor
-        tokens = latent_frames * (width // f) * (height // f)
-        if not splits_evenly(tokens, limits):
-            raise ValueError(f"size: {width}x{height} gives {tokens} latent tokens, which cannot be split "
-                             f"evenly across the replica's {limits.world_size} sequence-parallel ranks")
+        problem = split_problem(width, height, limits, latent_frames, frames_field)
+        if problem:
+            raise ValueError(f"size: {problem}")
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:

@@ -92,6 +92,29 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def split_problem(width: int, height: int, limits: ServingLimits, latent_frames: int = 1,
+                  frames_field: str | None = None) -> str | None:
+    """Why a sample of ``width`` × ``height`` pixels (and ``latent_frames`` latent frames, a
+    video's) cannot be split across the replica's sequence-parallel ranks (None: it can),
+    naming the numbers and the rule: ``(width/f)·(height/f)·latent_frames`` latent tokens
+    (``f``: ``spatial_factor``) must be a multiple of ``world_size``. ``frames_field``: the
+    request field that set the frames (``num_frames`` / ``seconds``), named beside ``size``."""
+    f = limits.spatial_factor
+    tokens = latent_frames * (width // f) * (height // f)
+    if splits_evenly(tokens, limits):
+        return None
+    world = limits.world_size
+    per_frame = f"({width}/{f})·({height}/{f})"
+    if latent_frames > 1:
+        return (f"size {width}x{height} with {frames_field or 'num_frames'} giving {latent_frames} latent frames is "
+                f"{per_frame}·{latent_frames} = {tokens} latent tokens, which cannot be split evenly across the "
+                f"replica's {world} sequence-parallel ranks; allowed: a size and frame count whose latent tokens "
+                f"(width/{f})·(height/{f})·latent frames are a multiple of {world}")
+    return (f"size {width}x{height} is {per_frame} = {tokens} latent tokens, which cannot be split evenly across the "
+            f"replica's {world} sequence-parallel ranks; allowed: sizes whose (width/{f})·(height/{f}) is a "
+            f"multiple of {world}")
+
+
 def splits_evenly(tokens: int, limits: ServingLimits) -> bool:
     """Whether a sample of ``tokens`` latent tokens splits across the replica's sequence-parallel
     ranks: evenly, or any size when the model pads its sequence to a multiple they divide."""

@@ -106,7 +106,7 @@ class VideoGenerationRequest(GenerationRequest):
                              f"e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1}; got {frames}")
         if frames > limits.max_frames:
             raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed")
-        self.check_split(limits, (frames - 1) // max(factor, 1) + 1)
+        self.check_split(limits, (frames - 1) // max(factor, 1) + 1, field)
         return self
 
 
