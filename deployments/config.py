@@ -526,13 +526,19 @@ def check_user_config_shape(name: str, user_config) -> None:
             raise ValueError(f"user_config.{key} must be a mapping")
 
 
+# AccelerationConfig fields the replicas read at their start (not request defaults)
+REPLICA_STARTUP_FIELDS = ("torch_compile", "compile_backend", "warmup")
+
+
 def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtype: str,
                    ring_degree: int) -> tuple["AccelerationConfig | None", dict[str, LoraEntry] | None]:
     """The Ingress's ``user_config`` update, checked: ``(acceleration, loras)``, each None when
     the update leaves it alone. ``user_config`` is ``{"acceleration": {...}, "loras": {...}}``
     or a dict of acceleration fields alone (the older form); an acceleration field it leaves
     out keeps ``args``' value (``args_acceleration``); the default kernel must run on
-    ``device`` / ``dtype`` / ``ring_degree``. Raises ``ValueError`` (pydantic's
+    ``device`` / ``dtype`` / ``ring_degree`` and stay ``args``' under ring attention or
+    torch.compile (a request may not switch it there either); the replicas' startup fields
+    (``REPLICA_STARTUP_FIELDS``) stay ``args``'. Raises ``ValueError`` (pydantic's
     ``ValidationError`` for a bad field) naming what is wrong, also a key beside the nested
     form or a section that is not a mapping (``check_user_config_shape``)."""
     check_user_config_shape("Ingress", user_config)
@@ -544,6 +550,17 @@ def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtyp
         problem = default_kernel_problem(acceleration.attention_backend, device, dtype, ring_degree)
         if problem:
             raise ValueError(problem)
+        started = AccelerationConfig.model_validate(args_acceleration)
+        for name in REPLICA_STARTUP_FIELDS:  # the Ingress reads none of them: a change would be taken and ignored
+            if getattr(acceleration, name) != getattr(started, name):
+                raise ValueError(f"acceleration.{name} is set where the replicas start (args, {getattr(started, name)!r});"
+                                 " a live Ingress update cannot change it: change args (a redeploy restarts the replicas)")
+        fixed = [why for why, holds in ((f"parallel.ring_degree={ring_degree}", ring_degree > 1),
+                                        ("acceleration.torch_compile on", started.torch_compile)) if holds]
+        if fixed and acceleration.attention_backend != started.attention_backend:
+            raise ValueError(f"acceleration.attention_backend: the replicas' kernel is fixed ({', '.join(fixed)}: "
+                             "a request may not switch it either), so the default stays args' "
+                             f"{started.attention_backend!r}; got {acceleration.attention_backend!r}")
     if "loras" in user_config:
         loras = lora_registry(user_config["loras"] or {})
     return acceleration, loras

@@ -26,6 +26,7 @@ from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
                               json_or_form_body, key_default_priority, load_api_keys, query_params, request_body)
+from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -95,6 +96,19 @@ api = FastAPI(title="ditserve", description="Diffusion Transformer generation on
 api.add_middleware(BearerAuth)
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
+
+
+def body_of(request, fields: dict):
+    """A handle call's request body: ``request`` (a dict or contract model), or the keyword
+    ``fields`` given instead (``generate.remote(prompt="a red circle", size="64x64")``).
+    Raises ``InvalidRequestError`` when both are given (which would win is not the caller's
+    to guess)."""
+    if not fields:
+        return request
+    if request is not None:
+        raise InvalidRequestError(f"give the request as one dict or as keyword fields, not both (keywords: "
+                                  f"{', '.join(sorted(map(str, fields)))})", code="invalid_value")
+    return fields
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
@@ -184,7 +198,9 @@ class Ingress:
         acceleration request defaults and the LoRA adapter registry, ``model.loras``) apply to the
         next request. A dict of acceleration fields alone is accepted too (the older form). Both
         get the checks of the config file (``AccelerationConfig``, the default kernel on this
-        model's device, dtype and ring degree, ``lora_registry``); an update that fails them is
+        model's device, dtype and ring degree, ``lora_registry``: ``ingress_update``), and, once
+        the model is known, the default Cache-DiT knobs against its blocks (each request's
+        steps are checked as it comes, ``check_unrequested_cache_dit``); an update that fails them is
         refused and the settings in force stay (``deployments.live_config``; at start it raises
         ``ValueError``). An acceleration field the update leaves out keeps ``args``' value."""
         await self._live.apply(user_config, self._apply_user_config)
@@ -194,7 +210,12 @@ class Ingress:
         acceleration, loras = ingress_update(user_config, self._config.get("acceleration") or {}, model["device"],
                                              model["dtype"], int(parallel.get("ring_degree", 1)))
         if acceleration is not None:
-            self._defaults = AccelerationDefaults.from_config(acceleration.model_dump())
+            defaults = AccelerationDefaults.from_config(acceleration.model_dump())
+            if defaults.cache_dit_params is not None and self._limits is not None:  # the model is known
+                problems = cache_dit_problems(defaults.cache_dit_params, self._limits, None)
+                if problems:
+                    raise ValueError("acceleration.cache_dit_params does not fit the model: " + "; ".join(problems))
+            self._defaults = defaults
         if loras is not None:  # checked before either changed: both change, or neither
             self._loras = loras
         if self._limits is not None:
@@ -219,30 +240,33 @@ class Ingress:
         return self._limits
 
     # -- handle API ---------------------------------------------------------------------
-    async def generate(self, request: ImageGenerationRequest | dict) -> ImageGenerationResponse:
-        """Generate images for one request (same contract as ``POST /v1/images/generations``).
+    async def generate(self, request: ImageGenerationRequest | dict | None = None, /,
+                       **fields) -> ImageGenerationResponse:
+        """Generate images for one request (same contract as ``POST /v1/images/generations``):
+        the body as one dict (or model), or its fields as keywords (``generate.remote(prompt=...,
+        size=...)``, as the OpenAI SDK takes them; not both: 400).
 
         Raises ``InvalidRequestError`` (every problem listed), ``ModelNotFoundError``,
         ``OverloadedError``, ``ServiceUnavailableError`` or ``InternalError``.
         """
         started = time.perf_counter()
-        params, _ = await self._image_params(request, streamed=False)
+        params, _ = await self._image_params(body_of(request, fields), streamed=False)
         return await self._answer(params, started)
 
-    async def edit(self, request: ImageEditRequest | dict) -> ImageGenerationResponse:
+    async def edit(self, request: ImageEditRequest | dict | None = None, /, **fields) -> ImageGenerationResponse:
         """Edit images for one request (same contract as ``POST /v1/images/edits``; ``image``
         and ``mask`` as file bytes): image-to-image, inpainting with a ``mask``, or reference
         editing on a FLUX.1 Kontext model. Raises as ``generate`` does; a bad upload is an
         ``InvalidRequestError`` naming ``image`` or ``mask``."""
         started = time.perf_counter()
-        params, _ = await self._image_params(request, streamed=False, edit=True)
+        params, _ = await self._image_params(body_of(request, fields), streamed=False, edit=True)
         return await self._answer(params, started)
 
-    async def edit_stream(self, request: ImageEditRequest | dict):
+    async def edit_stream(self, request: ImageEditRequest | dict | None = None, /, **fields):
         """``edit`` with OpenAI's image streaming events (``stream: true``), as ``generate_stream``
         does, typed ``image_edit.partial_image`` and ``image_edit.completed`` (OpenAI's edit events)."""
         started = time.perf_counter()
-        params, _ = await self._image_params(request, streamed=True, edit=True)
+        params, _ = await self._image_params(body_of(request, fields), streamed=True, edit=True)
         async for event in self._events(params, started, edit=True):
             yield event
 
@@ -276,7 +300,7 @@ class Ingress:
             return await asyncio.to_thread(resolve_edit, validated, limits, self._defaults), validated.stream
         return resolve(validated, limits, self._defaults), validated.stream
 
-    async def generate_stream(self, request: ImageGenerationRequest | dict):
+    async def generate_stream(self, request: ImageGenerationRequest | dict | None = None, /, **fields):
         """OpenAI's image streaming (``stream: true``): an async generator (call it through
         ``handle.options(stream=True)``) of event dicts: ``partial_images`` events of type
         ``image_generation.partial_image`` (``b64_json``, ``partial_image_index``, ``size``,
@@ -285,7 +309,7 @@ class Ingress:
         refusal, ``timeout_s`` passed in the queue) raises as ``generate`` does; a failure after
         it is an ``error`` event carrying OpenAI's error object."""
         started = time.perf_counter()
-        params, _ = await self._image_params(request, streamed=True)
+        params, _ = await self._image_params(body_of(request, fields), streamed=True)
         async for event in self._events(params, started):
             yield event
 
@@ -345,14 +369,15 @@ class Ingress:
                 yield event
         return sse(all_events())
 
-    async def submit_video(self, request: VideoGenerationRequest | dict) -> VideoJob:
-        """Create a video job (same contract as ``POST /v1/videos``) and return it at once.
+    async def submit_video(self, request: VideoGenerationRequest | dict | None = None, /, **fields) -> VideoJob:
+        """Create a video job (same contract as ``POST /v1/videos``) and return it at once; the
+        body as one dict (or model), or its fields as keywords, as ``generate`` takes them.
 
         Raises ``InvalidRequestError`` (every problem listed), ``ModelNotFoundError``,
         ``OverloadedError`` or ``ServiceUnavailableError``.
         """
         limits = await self._serving_limits()
-        validated = validate_video_request(request, limits)
+        validated = validate_video_request(body_of(request, fields), limits)
         if validated.input_reference is not None:  # decoded off the event loop (Pillow)
             params = await asyncio.to_thread(resolve_video, validated, limits, self._defaults)
         else:

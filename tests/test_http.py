@@ -158,11 +158,16 @@ HANDLE_SCRIPT = textwrap.dedent("""
     handle = serve.get_app_handle("ditserve")
     body = json.loads(sys.argv[2])
     result = handle.generate.remote(body).result()
-    out = {"png": result.data[0].b64_json, "type": type(result).__name__}
+    out = {"png": result.data[0].b64_json, "type": type(result).__name__,
+           "keywords_png": handle.generate.remote(**body).result().data[0].b64_json}
     try:
         handle.generate.remote({"prompt": "", "n": 0}).result()
     except InvalidRequestError as exc:
         out["error"] = {"param": exc.param, "message": exc.message, "status": exc.status_code}
+    try:
+        handle.generate.remote(body, seed=2).result()
+    except InvalidRequestError as exc:
+        out["both"] = {"message": exc.message, "status": exc.status_code}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -179,6 +184,8 @@ def test_handle_from_a_separate_driver_matches_http(client, ray_cluster):
     out = json.loads(line[0][len("RESULT"):])
     assert out["type"] == "ImageGenerationResponse"
     assert base64.b64decode(out["png"]) == http_png
+    assert out["keywords_png"] == out["png"]  # generate.remote(prompt=..., seed=...): a TypeError was raised
+    assert out["both"]["status"] == 400 and "not both (keywords: seed)" in out["both"]["message"]
     assert out["error"]["status"] == 400 and out["error"]["param"] == "prompt"
     assert "n must be" in out["error"]["message"]
 

@@ -83,6 +83,42 @@ def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, p
     assert ingress._live.refused is None and ingress._defaults.cfg_gate_fraction == 0.25
 
 
+@pytest.mark.parametrize("args, parallel, update, problem", [
+    ({}, {}, {"torch_compile": True}, "acceleration.torch_compile is set where the replicas start"),
+    ({}, {}, {"warmup": True}, "acceleration.warmup is set where the replicas start"),
+    ({"torch_compile": True}, {}, {"compile_backend": "eager"}, "acceleration.compile_backend is set"),
+    ({}, {"ring_degree": 2}, {"attention_backend": "torch_sdpa"}, "kernel is fixed (parallel.ring_degree=2"),
+    ({"torch_compile": True}, {}, {"attention_backend": "torch_math"}, "kernel is fixed (acceleration.torch_compile on"),
+    ({}, {}, {"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 20}},
+     "acceleration.cache_dit_params does not fit the model: cache_dit_params: Fn_compute_blocks + "
+     "Bn_compute_blocks = 20 exceeds the model's 10 transformer blocks"),
+])
+def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, parallel, update, problem):
+    """Acceleration fields the replicas read at their start (torch.compile, warmup) were taken
+    by a live Ingress update and ignored; a default kernel other than the start's, under ring
+    attention or torch.compile (where a request may not switch it), was taken and every batch
+    switched to it; default Cache-DiT knobs beyond the model's blocks were taken and every
+    request using them failed 500 in its batch. Each is refused now, the settings in force kept;
+    other defaults still change live."""
+    from deployments.config import AccelerationConfig
+    from deployments.ingress import Ingress
+    from pipeline.contract.limits import ServingLimits
+    from pipeline.sampling import AccelerationDefaults
+
+    started = AccelerationConfig.model_validate(args).model_dump()
+    defaults = AccelerationDefaults.from_config(started)
+    limits = ServingLimits("tiny-flux", 8, 64, 64, 12, 3.5, num_blocks=10)
+    ingress = _running(Ingress.func_or_class, _config={"model": {"device": "cpu", "dtype": "float32"},
+                                                       "parallel": parallel, "acceleration": started},
+                       _defaults=defaults, _loras={}, _limits=limits)
+    asyncio.run(ingress.reconfigure({"acceleration": update}))
+    assert problem in ingress._live.refused["error"], ingress._live.refused
+    assert ingress._defaults == defaults
+    asyncio.run(ingress.reconfigure({"acceleration": {"cfg_gate_step": 0.25, "cache_dit_params": {"Fn_compute_blocks": 2},
+                                                      "attention_backend": started["attention_backend"]}}))
+    assert ingress._live.refused is None and ingress._defaults.cfg_gate_fraction == 0.25
+
+
 @pytest.mark.parametrize("update, problem", [
     ({"lorass": {"late": {}}}, "user_config has no lorass (it takes loras)"),
     ({"loras": [{"name": "late"}]}, "user_config.loras must be a mapping"),
