@@ -759,6 +759,18 @@ class Router:
                 if chooser is not None and isinstance(cause, ReplicaUnavailableError):
                     chooser.exclude_replica_of(batch.batch_id)  # never choose it again
                 pending = self._requeue(pending, batch.batch_id, cause)
+            elif isinstance(cause, (RayActorError, ActorUnavailableError)):  # its replica died while running it
+                await self._answer_queued_if_unservable()  # reads whether its app is being deleted
+                if self._deleting:  # stopped with its app once the grace passed: a shutdown, not a failure
+                    for p in pending:
+                        if not p.future.done():
+                            self._reject("app_deleted")
+                            p.future.set_exception(ServiceUnavailableError(
+                                "the server is shutting down (its app is being deleted): this request's batch was "
+                                "stopped while it ran, its replica's graceful_shutdown_timeout_s having passed; "
+                                "retry once it is deployed again", code="unavailable",
+                                request_id=p.params.request_id))
+                    pending = []
             if pending:
                 self._counters["failed_batches"] += 1
                 logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)

@@ -419,16 +419,23 @@ def test_serve_refuses_a_taken_port_and_an_address_nothing_answers_at_in_one_lin
 
 
 @pytest.mark.slow
-def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
+def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy, tmp_path):
     """A cluster already running on this machine (the tests') is left alone: ``ditserve serve``
     without ``--address`` starts its own, and Ctrl-C (SIGTERM) shuts down only that one. It used
-    to join any running cluster, replace its ``ditserve`` application and shut its Serve down."""
+    to join any running cluster, replace its ``ditserve`` application and shut its Serve down.
+    (The grace is long so the running batch finishes on a slowed machine too: past it, the
+    batch is stopped and answered 503, test_router.)"""
+    import yaml
     from ray import serve
 
     deploy()
     before = serve.status().applications["ditserve"].deployments.keys()
     port = free_port("127.0.0.1")
-    server = _Serving("--host", "0.0.0.0", "--port", str(port), env=_serve_env())
+    config = {"applications": [{"name": "ditserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
+                                "args": {"replica": {"graceful_shutdown_timeout_s": 300}}}]}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    server = _Serving("--config", str(tmp_path / "serve.yaml"), "--host", "0.0.0.0", "--port", str(port),
+                      env=_serve_env())
     try:  # Serve listens on every interface; the URL printed is one to open here
         assert server.url == f"http://127.0.0.1:{port}" and not any("joined" in ln for ln in server.lines)
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
@@ -437,7 +444,7 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy):
         # ones get 503 (Serve's shutdown stopped its proxy first: every connection dropped unanswered)
         with ThreadPoolExecutor(6) as pool:
             calls = [pool.submit(httpx.post, f"{server.url}/v1/images/generations", timeout=120,
-                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 50, "size": "256x256"})
+                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 30, "size": "256x256"})
                      for i in range(6)]
             wait_until(lambda: httpx.get(f"{server.url}/v1/stats", timeout=30).json()["router"]["inflight_batches"],
                        timeout=60)

@@ -392,6 +392,26 @@ def test_shutdown_answers_every_queued_request(deploy):
     assert outcomes[1:] == ["503"] * 6, outcomes  # queued, never run: every one answered 503
 
 
+def test_a_batch_its_replica_stops_past_the_grace_at_shutdown_is_a_503_not_a_500(deploy):
+    """A batch still running when its replica's ``graceful_shutdown_timeout_s`` passes during
+    a delete is killed with the replica: its requests were answered 500 ``batch_failed`` (a
+    slowed CI machine met it when ``ditserve serve`` was stopped), where the server is shutting
+    down: a 503 ``unavailable`` saying so, counted ``rejected_app_deleted``."""
+    url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1,
+                                              "graceful_shutdown_timeout_s": 1},
+                  "limits": {**TWO_REPLICAS["limits"], "max_steps": 400}}, fresh=True)
+    handle = serve.get_app_handle("ditserve")
+    killed = handle.generate.remote({"prompt": "killed", "seed": 0, **SLOW, "num_inference_steps": 400})  # ~20 s
+    wait_until(lambda: running(url, 1))
+    deleting = threading.Thread(target=serve.delete, args=("ditserve",))
+    deleting.start()
+    with pytest.raises(ServiceUnavailableError) as info:
+        killed.result(timeout_s=120)
+    deleting.join(timeout=120)
+    assert info.value.status_code == 503 and info.value.code == "unavailable", info.value.to_envelope()
+    assert "stopped while it ran" in info.value.message and "graceful_shutdown_timeout_s" in info.value.message
+
+
 def test_shutdown_without_affinity_answers_every_request_once(deploy):
     """With Serve's default request router (affinity off) the Router watches the replica set
     too: a batch that ends after the delete leaves the queued work held and answered 503, or
