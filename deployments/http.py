@@ -362,19 +362,19 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
     configured but yields no key (an open server by mistake)."""
     keys: list[str] = []
     if api_keys_env is not None:
-        value = os.environ.get(api_keys_env, "")
-        if not value.strip():
-            raise ValueError(f"auth.api_keys_env names {api_keys_env}, which is unset or empty")
-        keys += re.split(r"[\s,]+", value.strip())
+        found = [k for k in re.split(r"[\s,]+", os.environ.get(api_keys_env, "")) if k]
+        if not found:  # unset, empty, or separators only (",")
+            raise ValueError(f"auth.api_keys_env names {api_keys_env}, which is unset or holds no key")
+        keys += found
     if api_keys_file is not None:
         path = Path(api_keys_file)
         if not path.is_file():
             raise ValueError(f"auth.api_keys_file {api_keys_file} is not a readable file")
-        found = [k for k in re.split(r"[\s,]+", path.read_text().strip()) if k]
+        found = [k for k in re.split(r"[\s,]+", path.read_text()) if k]
         if not found:
             raise ValueError(f"auth.api_keys_file {api_keys_file} holds no key")
         keys += found
-    return tuple(k for k in keys if k)
+    return tuple(keys)
 
 
 class AdmissionHeader:
@@ -428,10 +428,11 @@ class BearerAuth:
 
     @staticmethod
     def _public(scope) -> bool:
-        """``/health``, and ``GET`` of the app's root (the static playground page)."""
+        """The app's own ``/health``, and ``GET`` of the app's root (the static playground page);
+        nothing else (``/v1/videos/health`` reached the Router without a key)."""
         path = scope["path"].rstrip("/")
-        page = path == scope.get("root_path", "").rstrip("/")
-        return path.endswith("/health") or (page and scope.get("method") == "GET")
+        root = scope.get("root_path", "").rstrip("/")
+        return path == f"{root}/health" or (path == root and scope.get("method") == "GET")
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:

@@ -221,9 +221,13 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DITSERVE_TEST_KEYS", "k1, k2\nk3")
     (tmp_path / "keys").write_text("k4\n")
     assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
-    monkeypatch.setenv("DITSERVE_EMPTY", " ")
-    with pytest.raises(ValueError, match="unset or empty"):
-        load_api_keys("DITSERVE_EMPTY")
+    for blank in (" ", ",", " ,\n, "):  # separators only served with auth off, saying nothing
+        monkeypatch.setenv("DITSERVE_EMPTY", blank)
+        with pytest.raises(ValueError, match="unset or holds no key"):
+            load_api_keys("DITSERVE_EMPTY")
+        (tmp_path / "blank").write_text(blank)
+        with pytest.raises(ValueError, match="holds no key"):
+            load_api_keys(None, str(tmp_path / "blank"))
     with pytest.raises(ValueError, match="not a readable file"):
         load_api_keys(None, str(tmp_path / "missing"))
 

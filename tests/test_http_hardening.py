@@ -52,8 +52,10 @@ def test_keys_are_required_and_compared(url, authed):
                        timeout=60)
     assert batch.status_code == 200  # a batch key is a key (its requests default to priority batch)
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
-    for path in ("/docs", "/redoc", "/openapi.json", "/v1/models", "/v1/stats", "/v1/videos/x"):
+    for path in ("/docs", "/redoc", "/openapi.json", "/v1/models", "/v1/stats", "/v1/videos/x",
+                 "/v1/videos/health", "/nothing/health"):  # (any path ending /health passed without a key)
         assert httpx.get(f"{url}{path}", timeout=60).status_code == 401, path
+    assert httpx.delete(f"{url}/v1/videos/health", timeout=60).status_code == 401
     client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     assert client.images.generate(prompt="a", response_format="b64_json",
                                   extra_body={"num_inference_steps": 2}).data
