@@ -200,6 +200,25 @@ def test_job_store_evicts_by_age_and_count():
         store.get("video_1")
 
 
+def test_job_store_evicts_a_large_expired_backlog_in_one_pass():
+    """20,000 finished jobs (a burst gone idle), 15,000 past their ttl and a max of 4,000:
+    one call keeps the newest 4,000, the running job, and answers 404 for the others (the old
+    eviction was quadratic in them: 16,000 held the Router's event loop 1.1 s)."""
+    now = [0.0]
+    store = JobStore(ttl_s=100, max_finished=4000, clock=lambda: now[0])
+    jobs = [store.add(_params(i)) for i in range(20_001)]
+    for i, job in enumerate(jobs[:-1]):
+        job.finish(JobStatus.COMPLETED)
+        job.completed_at = float(i)
+    now[0] = 15_000 + 100  # jobs 0..15000 are past their 100 s
+    kept = {j.params.request_id for j in store.all()}
+    assert kept == {f"video_{i}" for i in range(16_000, 20_001)}
+    now[0] = 19_000 + 100  # a later call evicts by age alone
+    assert len(store.all()) == 20_000 - 19_000 - 1 + 1
+    with pytest.raises(NotFoundError):
+        store.get("video_19000")
+
+
 def test_job_pages_follow_openai_cursor_pagination():
     """``after`` is the previous page's ``last_id``; equal ``created_at`` ties break by id, so
     pages never overlap or skip a job in either order."""
