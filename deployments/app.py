@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -148,9 +150,10 @@ def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict
     if name != "DiTReplica" or not isinstance(given, dict) or given.get("policy") is not None:
         return entry
     target = given.get("target_queued_per_replica")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not (math.isfinite(target) and target > 0)):
         raise ValueError(f"deployments: DiTReplica's autoscaling_config.target_queued_per_replica must be "
-                         f"a number > 0 (images queued per replica), got {target!r}")
+                         f"a finite number > 0 (images queued per replica), got {target!r}")
     if target is None and config.replica.autoscaling is not None:
         target = config.replica.autoscaling.target_queued_per_replica
     fields = {k: v for k, v in given.items() if k != "policy"}

@@ -48,21 +48,26 @@ class RouterQueuePolicy:
     ``queued_images`` is the Router's backlog averaged over ``look_back_period_s`` (the largest
     report among the replicas: they all report the same Router) and ``busy`` is Serve's own
     count of batches running on (or queued at handles for) DiTReplicas, so a replica that is
-    working is not removed just because the queue is empty. Serve bounds the result by
-    ``min_replicas`` / ``max_replicas`` and applies the up/down-scale delays.
+    working is not removed just because the queue is empty. While no replica reported the
+    backlog (the Router's ``queue_depth`` failed: Serve skips those samples) it holds at
+    Serve's current target (more if more are busy): an unknown queue is not an empty one.
+    Serve bounds the result by ``min_replicas`` / ``max_replicas`` and applies the
+    up/down-scale delays. Raises ``ValueError`` for a target that is not a finite number > 0.
     """
 
     def __init__(self, target_queued_per_replica: float):
-        if target_queued_per_replica <= 0:
-            raise ValueError(f"target_queued_per_replica must be > 0, got {target_queued_per_replica}")
+        if not (math.isfinite(target_queued_per_replica) and target_queued_per_replica > 0):
+            raise ValueError(f"target_queued_per_replica must be a finite number > 0, got {target_queued_per_replica}")
         self.target_queued_per_replica = float(target_queued_per_replica)
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
         if ctx.current_num_replicas == 0:  # nothing reports the queue without a replica
             return ctx.target_num_replicas, {}
-        reports = (ctx.aggregated_metrics or {}).get(QUEUED_IMAGES, {})
-        queued = max(reports.values(), default=0.0)
+        reports = (ctx.aggregated_metrics or {}).get(QUEUED_IMAGES) or {}
         busy = ctx.total_num_requests
+        if not reports:  # the backlog is unknown (the Router did not answer): hold, never scale down blind
+            return max(ctx.target_num_replicas, math.ceil(busy)), {"queued_images": None, "busy": busy}
+        queued = max(reports.values())
         desired = max(math.ceil(queued / self.target_queued_per_replica), math.ceil(busy))
         return desired, {"queued_images": queued, "busy": busy}
 

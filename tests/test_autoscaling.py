@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingContext
 
-from deployments.app import build_app, deployment_options
+from deployments.app import bind_app, build_app, deployment_options
 from deployments.autoscaling import QUEUED_IMAGES, RouterQueuePolicy
 from deployments.config import AppConfig
 
@@ -35,7 +35,9 @@ def _context(queued: dict, busy: float, current: int = 1) -> AutoscalingContext:
 
 
 @pytest.mark.parametrize("queued, busy, current, desired", [
-    ({}, 0, 1, 0),                      # no report yet, idle: Serve's bounds keep min_replicas
+    ({}, 0, 1, 1),                      # no report (the Router did not answer): hold at the target,
+    ({}, 0, 2, 2),                      # not 0, which Serve took down to min_replicas after the delay
+    ({}, 3, 2, 3),                      # ... unless more are busy
     ({"r1": 8.0}, 1, 1, 2),             # 8 images waiting, target 4 per replica
     ({"r1": 9.0, "r2": 3.0}, 2, 2, 3),  # the freshest (largest) report of the one Router counts
     ({"r1": 0.0, "r2": 0.0}, 2, 2, 2),  # empty queue but both replicas busy: keep them
@@ -43,6 +45,16 @@ def _context(queued: dict, busy: float, current: int = 1) -> AutoscalingContext:
 ])
 def test_policy_table(queued, busy, current, desired):
     assert RouterQueuePolicy(target_queued_per_replica=4)(_context(queued, busy, current))[0] == desired
+
+
+@pytest.mark.parametrize("target", [0, -1, float("nan"), float("inf")])
+def test_a_target_that_is_not_a_finite_positive_number_is_refused(target):
+    """NaN was taken and raised on every autoscaling tick; inf silently scaled on busy alone."""
+    with pytest.raises(ValueError, match="finite number > 0"):
+        RouterQueuePolicy(target_queued_per_replica=target)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        bind_app(AUTOSCALE_ARGS, [{"name": "DiTReplica", "autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "target_queued_per_replica": target}}])
 
 
 def test_config_becomes_serve_autoscaling_config_of_ditreplica():
@@ -88,7 +100,7 @@ def test_a_deployments_entry_autoscaling_config_keeps_the_router_queue_policy():
     named = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
     got = replica_autoscaling({}, {"autoscaling_config": {"max_replicas": 3, "policy": named}})
     assert got.policy.policy_function == named["policy_function"]
-    with pytest.raises(ValueError, match="target_queued_per_replica must be a number > 0"):
+    with pytest.raises(ValueError, match="target_queued_per_replica must be a finite number > 0"):
         replica_autoscaling({}, {"autoscaling_config": {"max_replicas": 3, "target_queued_per_replica": 0}})
 
 
