@@ -19,6 +19,7 @@ import tempfile
 import time
 import typing
 import urllib.parse
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1084,15 +1085,37 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_demo)
 
     ns = parser.parse_args(argv)
-    try:
+    if ns.command not in CLIENT_COMMANDS:
         return ns.func(ns)
-    except KeyboardInterrupt:
-        if ns.command not in CLIENT_COMMANDS:
-            raise
-        # one line, as for every other way a client command ends early (a video job already
-        # created was deleted by _cmd_video; an image request stops when its connection closes)
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130  # 128 + SIGINT, as a shell reports Ctrl-C
+    with warnings.catch_warnings(), _sigterm_interrupts():
+        # the SDK's DeprecationWarnings (its videos API's) were lines of their own under python -m
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return ns.func(ns)
+        except KeyboardInterrupt:
+            # one line, as for every other way a client command ends early (a video job already
+            # created was deleted by _cmd_video; an image request stops when its connection closes)
+            print("interrupted", file=sys.stderr, flush=True)
+            return 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a client command runs, SIGTERM (``kill``, a job runner's stop) ends it as Ctrl-C
+    does (a running video job is deleted on the server; it kept running), exit 130. Only in
+    the main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

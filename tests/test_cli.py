@@ -283,6 +283,50 @@ def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, c
         server.shutdown()
 
 
+def test_sigterm_while_a_video_job_runs_deletes_it_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
+    """SIGTERM (a kill, a job runner stopping the CLI) exited 143 with no line and left the job
+    running on the server: now it ends as Ctrl-C does (the job deleted, one line, 130), and
+    the process's own SIGTERM handler is back afterwards."""
+    import signal
+    import time
+
+    import tqdm
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here, at once
+
+    monkeypatch.setattr(tqdm, "tqdm", terminated)
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
+        assert server.requests[-1] == ("DELETE", "/v1/videos/video_1")
+        assert capsys.readouterr().err == "cancelled: video job video_1 deleted on the server\n"
+        assert signal.getsignal(signal.SIGTERM) == before
+    finally:
+        server.shutdown()
+
+
+def test_a_failure_is_one_line_under_python_m_too(tmp_path):
+    """Run as ``python -m deployments.cli``, the OpenAI SDK's DeprecationWarning for its videos
+    API (shown for __main__'s module there) added two lines before the error."""
+    import subprocess
+    import sys
+
+    body = json.dumps({"error": {"message": "missing or invalid API key", "type": "invalid_request_error",
+                                 "param": None, "code": "invalid_api_key"}}).encode()
+    server = _Answering(401, "application/json", body)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "deployments.cli", "video", "a", "-o", str(tmp_path / "a.mp4"),
+                               "--url", server.url], capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error 401 invalid_api_key: missing or invalid API key"), proc.stderr
+
+
 def test_a_server_gone_while_a_video_job_runs_is_not_called_a_missing_server(tmp_path, capsys, monkeypatch):
     """The server answered the create, then went away: the line said "no ditserve server at
     URL; start one" and never named the job."""
