@@ -74,7 +74,7 @@ def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser,
     assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the static page itself
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     browser.get(f"{url}/")
-    browser.execute_script("localStorage.clear()")
+    browser.execute_script("sessionStorage.clear()")
     browser.get(f"{url}/")
     browser.find_element(By.ID, "submit").click()  # no key: the API's 401 is shown
     WebDriverWait(browser, 60).until(lambda d: "error" in (d.find_element(By.ID, "status").get_attribute("class")
@@ -83,3 +83,7 @@ def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser,
     browser.find_element(By.ID, "api_key").send_keys("k1")
     browser.find_element(By.ID, "submit").click()
     WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
+    # the key is kept for this tab only: a persistent localStorage entry was readable by any page
+    # on the same origin (the Serve proxy's host:port)
+    assert browser.execute_script("return sessionStorage.getItem('ditserve_api_key')") == "k1"
+    assert browser.execute_script("return localStorage.getItem('ditserve_api_key')") is None
