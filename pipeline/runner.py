@@ -164,7 +164,9 @@ class BatchRunner:
             scm_preset_steps=preset_step_counts(max_steps), input_modes=tuple(self.family.input_modes),
             max_input_images=self.family.max_input_images, cfg_threshold=self.family.cfg_threshold,
             min_steps=self.family.min_steps, true_cfg_default=self.family.true_cfg_default,
-            sequence_multiple=self.family.sequence_multiple, requires_image=self.family.requires_image)
+            sequence_multiple=self.family.sequence_multiple, requires_image=self.family.requires_image,
+            max_side=self.family.max_side, max_latent_frames=self.family.max_latent_frames,
+            max_aspect_ratio=self.family.max_aspect_ratio)
 
     def counters(self) -> dict:
         """Cumulative counts for ``/v1/stats``: state actions, and with torch.compile dynamo's

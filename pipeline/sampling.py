@@ -12,7 +12,7 @@ from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
     edit_mode, effective_steps
 from pipeline.contract.images import ImageGenerationRequest
-from pipeline.contract.limits import ServingLimits, parse_size, split_problem
+from pipeline.contract.limits import ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import InvalidRequestError
@@ -213,10 +213,11 @@ def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defau
 
 
 def check_split(width: int, height: int, limits: ServingLimits, field: str) -> None:
-    """Sequence parallelism splits a sample's latent tokens evenly across the ranks; raises
-    ``InvalidRequestError`` naming ``field`` for an image size that cannot be split
-    (:func:`split_problem`)."""
-    problem = split_problem(width, height, limits)
+    """An edit's output size (its ``size``, or the image's own scaled down): raises
+    ``InvalidRequestError`` naming ``field`` for one the model cannot take (:func:`size_problem`:
+    a side past its position table, too elongated) or sequence parallelism cannot split
+    evenly across the ranks (:func:`split_problem`)."""
+    problem = size_problem(width, height, limits) or split_problem(width, height, limits)
     if problem:
         raise InvalidRequestError(f"{field}: the output {problem}", param=field, code="invalid_value")
 

@@ -86,7 +86,9 @@ class ModelFacts:
     ranks one sample's sequence is split across (a CFG group's); ``cfg_degree``: CFG groups.
     ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (Z-Image:
     32), so a ``world_size`` dividing it splits any size. ``requires_image``: the model only
-    edits (every request gives an image: ``POST /v1/images/edits``).
+    edits (every request gives an image: ``POST /v1/images/edits``). ``max_side`` (pixels),
+    ``max_latent_frames``, ``max_aspect_ratio``: what the model's position tables and encoders
+    take (0: any; ``ModelFamily``).
     """
 
     family: str
@@ -110,6 +112,9 @@ class ModelFacts:
     cfg_degree: int = 1
     sequence_multiple: int = 1
     requires_image: bool = False
+    max_side: int = 0
+    max_latent_frames: int = 0
+    max_aspect_ratio: float = 0.0
 
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
@@ -133,7 +138,8 @@ class ModelFacts:
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
             max_input_pixels=limits.get("max_input_pixels") or limits["max_pixels"], cfg_threshold=self.cfg_threshold,
             min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree,
-            sequence_multiple=self.sequence_multiple, requires_image=self.requires_image)
+            sequence_multiple=self.sequence_multiple, requires_image=self.requires_image, max_side=self.max_side,
+            max_latent_frames=self.max_latent_frames, max_aspect_ratio=self.max_aspect_ratio)
 
 
 class Report(BaseModel):

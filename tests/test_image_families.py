@@ -234,3 +234,25 @@ def test_served_through_the_openai_sdk(deploy, config_file):
     assert png_pixels(response.data[0].b64_json).shape == (48, 64, 3)
     meta = response.model_extra["ditserve"]
     assert meta["signature"].startswith(f"{args['model']['name']} 64x48 steps=4 ")
+
+
+def test_a_size_past_the_models_position_table_is_refused_before_the_batch():
+    """tiny-z-image's RoPE tables hold 128 latent patches a side (4 pixels each): 4x516 passed the
+    contract (within max_pixels) and failed its whole batch with IndexError, a 500. The facts
+    carry max_side now and the contract refuses it naming size; the edge runs."""
+    import dataclasses
+
+    from pipeline.errors import InvalidRequestError
+
+    runner = BatchRunner("tiny-z-image")
+    limits = runner.facts().limits(runner.name, {**LIMITS, "max_pixels": 65536})
+    assert limits.max_side == 512
+    edge = resolve(validate_image_request({"prompt": "a red circle", "seed": 1, "size": "4x512",
+                                           "num_inference_steps": 2, **unguided(runner)}, limits), limits)
+    with pytest.raises(IndexError):  # what the batch met
+        runner.run(batch_of(dataclasses.replace(edge, height=516)))
+    for size in ("4x516", "516x4"):
+        with pytest.raises(InvalidRequestError, match="each side must be at most 512 pixels") as err:
+            validate_image_request({"prompt": "a", "size": size}, limits)
+        assert err.value.param == "size"
+    assert png_pixels(runner.run(batch_of(edge))[0].images[0]).shape[:2] == (512, 4)

@@ -124,6 +124,19 @@ def test_the_contract_refuses_what_it_cannot_do(runner):
         validate_edit_request({"prompt": "x", "image": image, "mask": image}, limits)
     p = resolve_edit(validate_edit_request({"prompt": "x", "image": image, "seed": 2}, limits), limits)
     assert p.input_mode == InputMode.REFERENCE and (p.width, p.height) == (32, 32) and p.num_input_images == 1
+    # Qwen2-VL's processor refuses an image over 200:1, and the ~1 MP edit resize stretches an output
+    # past ~164:1 to that: 16x2624 and a 16x4000 image (auto size) passed, then failed in the batch,
+    # reported as a prompt the tokenizer could not encode
+    wide = runner.facts().limits(MODEL, {**LIMITS, "max_pixels": 65536, "max_input_pixels": 65536})
+    assert wide.max_aspect_ratio == 128
+    with pytest.raises(InvalidRequestError, match=r"size 16x2624 is 164:1; this model takes at most 128:1") as err:
+        validate_edit_request({"prompt": "x", "image": image, "size": "16x2624"}, wide)
+    assert err.value.param == "size"
+    elongated = _png(Image.new("RGB", (16, 4000), (200, 40, 40)))
+    with pytest.raises(InvalidRequestError, match=r"image: the output size 16x4000 is 250:1") as err:
+        resolve_edit(validate_edit_request({"prompt": "x", "image": elongated}, wide), wide)
+    assert err.value.param == "image"
+    assert resolve_edit(validate_edit_request({"prompt": "x", "image": image, "size": "16x2048"}, wide), wide).height == 2048
 
 
 def test_compile_after_mount_once_and_the_replica_warms_up_on_an_edit():

@@ -261,3 +261,27 @@ def test_attention_override_flips_every_layer_of_both_experts(moe_runner):
     assert a.videos == c.videos  # back to the default kernel, byte-identical
     frames = [runner.denoise(batch_of(p)).images[0] for p in (exact, math)]
     assert np.abs(frames[0] - frames[1]).max() <= 1e-4  # math vs SDPA kernels: the same attention
+
+
+def test_a_size_or_length_past_wans_position_table_is_refused_before_the_batch(wan):
+    """``WanRotaryPosEmbed`` tables ``rope_max_seq_len`` (tiny: 256) positions per axis: with
+    ``max_pixels`` 262144, 16x4112 passed the contract and failed its batch ("shape ... is
+    invalid"), a 500. The facts carry max_side and max_latent_frames now; both are refused
+    naming the field, the edges pass."""
+    from pipeline.contract.videos import validate_video_request
+    from pipeline.errors import InvalidRequestError
+    from tests.helpers import wan_limits
+
+    assert (wan.max_side, wan.max_latent_frames) == (256 * wan.spatial_factor, 256)
+    limits = dataclasses.replace(wan_limits(wan), max_pixels=262144, max_frames=2000, max_side=wan.max_side,
+                                 max_latent_frames=wan.max_latent_frames)
+    late = params(wan, "a ball", 1, size="16x4096", num_frames=5, num_inference_steps=2)
+    with pytest.raises(RuntimeError):  # what the batch met
+        denoise_batch(wan, [dataclasses.replace(late, height=4112)])
+    for body, field in (({"size": "16x4112"}, "size"), ({"size": "4112x16"}, "size"),
+                        ({"num_frames": 1025}, "num_frames")):
+        with pytest.raises(InvalidRequestError) as err:
+            validate_video_request({"prompt": "a ball", **body}, limits)
+        assert err.value.param == field and ("at most 4096 pixels" in str(err.value)
+                                             or "at most 1021 frames" in str(err.value)), str(err.value)
+    validate_video_request({"prompt": "a ball", "size": "16x4096", "num_frames": 1021}, limits)

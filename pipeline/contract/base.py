@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, split_problem
+from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
@@ -235,13 +235,9 @@ class GenerationRequest(BaseModel):
             return v
         width, height = parse_size(v)
         limits = limits_of(info)
-        if limits:
-            f = limits.spatial_factor
-            if width < f or height < f or width % f or height % f:
-                raise ValueError(f"size {width}x{height}: width and height must be positive multiples of {f} pixels")
-            if width * height > limits.max_pixels:
-                raise ValueError(
-                    f"size {width}x{height} has {width * height} pixels; at most {limits.max_pixels} are allowed")
+        problem = size_problem(width, height, limits) if limits else None
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("num_inference_steps")

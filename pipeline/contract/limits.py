@@ -41,7 +41,9 @@ class ServingLimits:
     replica's CFG parallelism (2: a guided step's branches run on two groups of ranks).
     ``sequence_multiple``: the model pads a sample's split sequence to a multiple of it (1: the
     latent tokens themselves must split evenly across ``world_size``). ``requires_image``: the
-    model only edits images (text-to-image requests are refused).
+    model only edits images (text-to-image requests are refused). ``max_side`` (pixels),
+    ``max_latent_frames``, ``max_aspect_ratio`` (long side / short): what the model's position
+    tables and encoders take (0: any).
     """
 
     model_name: str
@@ -82,6 +84,9 @@ class ServingLimits:
     cfg_degree: int = 1
     sequence_multiple: int = 1
     requires_image: bool = False
+    max_side: int = 0
+    max_latent_frames: int = 0
+    max_aspect_ratio: float = 0.0
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -90,6 +95,25 @@ def parse_size(size: str) -> tuple[int, int]:
     if not match:
         raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT in pixels, ASCII digits), got {shown(size)}")
     return int(match.group(1)), int(match.group(2))
+
+
+def size_problem(width: int, height: int, limits: ServingLimits) -> str | None:
+    """Why an output of ``width`` × ``height`` pixels cannot run on this model (None: it can):
+    both sides positive multiples of ``spatial_factor``, at most ``max_pixels``, each side at
+    most ``max_side`` (the model's position table) and at most ``max_aspect_ratio`` : 1."""
+    f = limits.spatial_factor
+    if width < f or height < f or width % f or height % f:
+        return f"size {width}x{height}: width and height must be positive multiples of {f} pixels"
+    if width * height > limits.max_pixels:
+        return f"size {width}x{height} has {width * height} pixels; at most {limits.max_pixels} are allowed"
+    if limits.max_side and max(width, height) > limits.max_side:
+        return (f"size {width}x{height}: each side must be at most {limits.max_side} pixels on this model "
+                "(its position table)")
+    ratio = max(width, height) / min(width, height)
+    if limits.max_aspect_ratio and ratio > limits.max_aspect_ratio:
+        return (f"size {width}x{height} is {ratio:.4g}:1; this model takes at most {limits.max_aspect_ratio:g}:1 "
+                "(long side to short)")
+    return None
 
 
 def split_problem(width: int, height: int, limits: ServingLimits, latent_frames: int = 1,

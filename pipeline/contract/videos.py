@@ -106,7 +106,12 @@ class VideoGenerationRequest(GenerationRequest):
                              f"e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1}; got {frames}")
         if frames > limits.max_frames:
             raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed")
-        self.check_split(limits, (frames - 1) // max(factor, 1) + 1, field)
+        latent_frames = (frames - 1) // max(factor, 1) + 1
+        if limits.max_latent_frames and latent_frames > limits.max_latent_frames:
+            most = (limits.max_latent_frames - 1) * max(factor, 1) + 1
+            raise ValueError(f"{field}: {frames} frames are {latent_frames} latent frames; this model's position "
+                             f"table covers {limits.max_latent_frames} (at most {most} frames)")
+        self.check_split(limits, latent_frames, field)
         return self
 
 

@@ -57,6 +57,9 @@ class ModelFamily(Protocol):
     true_cfg_default: float                 # TRUE_CFG style: true_cfg_scale of a negative prompt given alone
     sequence_multiple: int                  # it pads a sample's split sequence to a multiple of this (1: none)
     requires_image: bool                    # serves edits only: every request gives an input image (Qwen-Image-Edit)
+    max_side: int                           # the widest/tallest output its position table covers (pixels; 0: any)
+    max_latent_frames: int                  # video: the latent frames its position table covers (0: any)
+    max_aspect_ratio: float                 # the most elongated output it can take (long side / short; 0: any)
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",

@@ -81,6 +81,9 @@ class FluxFamily:
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
     requires_image = False  # text alone generates
+    max_side = 0  # positions are computed for any size (no table to run past)
+    max_latent_frames = 0  # an image model
+    max_aspect_ratio = 0.0  # any
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt

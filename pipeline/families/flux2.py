@@ -56,6 +56,9 @@ class Flux2Family:
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
     requires_image = False  # text alone generates
+    max_side = 0  # positions are computed for any size (no table to run past)
+    max_latent_frames = 0  # an image model
+    max_aspect_ratio = 0.0  # any
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe

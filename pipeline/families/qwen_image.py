@@ -78,6 +78,9 @@ class QwenImageFamily:
     true_cfg_default = 4.0  # QwenImagePipeline's default: a negative prompt alone guides
     sequence_multiple = 1  # its latent tokens are split as they are
     requires_image = False  # text alone generates
+    max_side = 0  # positions are computed for any size (no table to run past)
+    max_latent_frames = 0  # an image model
+    max_aspect_ratio = 0.0  # any
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe
@@ -261,6 +264,9 @@ class QwenImageEditFamily(QwenImageFamily):
     pipeline_classes = ("QwenImageEditPipeline",)
     input_modes = (InputMode.REFERENCE,)
     requires_image = True  # QwenImageEditPipeline always edits an image
+    # Qwen2-VL's processor refuses an image over 200:1, and edit_size (about 1 MP in multiples of
+    # 32) stretches an output past about 164:1 to that (its short side rounds down to 64 pixels)
+    max_aspect_ratio = 128.0
 
     @classmethod
     def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",

@@ -74,6 +74,7 @@ class WanFamily:
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 1  # its latent tokens are split as they are
     requires_image = False  # text alone generates
+    max_aspect_ratio = 0.0  # any
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe
@@ -135,6 +136,17 @@ class WanFamily:
     def temporal_factor(self) -> int:
         """num_frames must be ``temporal_factor · k + 1`` (Wan's VAE: 4)."""
         return int(self.vae_scale_factor_temporal)
+
+    @property
+    def max_side(self) -> int:
+        """The widest or tallest output in pixels: ``WanRotaryPosEmbed`` tables
+        ``rope_max_seq_len`` positions per axis (a side past them failed the batch)."""
+        return int(self.transformer.config.rope_max_seq_len) * self.spatial_factor
+
+    @property
+    def max_latent_frames(self) -> int:
+        """Latent frames ``WanRotaryPosEmbed``'s table covers (``rope_max_seq_len``)."""
+        return int(self.transformer.config.rope_max_seq_len)
 
     @property
     def transformers(self) -> dict[str, torch.nn.Module]:

@@ -58,6 +58,8 @@ class ZImageFamily:
     true_cfg_default = 1.0  # the pipeline's default true_cfg_scale
     sequence_multiple = 32  # diffusers' SEQ_MULTI_OF: the unified sequence is padded to it
     requires_image = False  # text alone generates
+    max_latent_frames = 0  # an image model
+    max_aspect_ratio = 0.0  # any
     patch_size = 2
 
     def __init__(self, pipe, vae_scale_factor: int):
@@ -104,6 +106,14 @@ class ZImageFamily:
     def num_blocks(self) -> int:
         """The main single-stream layers (cache-dit's Z-Image adapter caches ``layers``)."""
         return len(self.transformer.layers)
+
+    @property
+    def max_side(self) -> int:
+        """The widest or tallest output in pixels: its RoPE tables hold ``axes_lens[1]`` rows and
+        ``axes_lens[2]`` columns of latent patches (diffusers' ``ZImageTransformer2DModel``; a
+        side past them raised IndexError in the batch)."""
+        _, rows, columns = self.transformer.config.axes_lens
+        return int(min(rows, columns)) * self.spatial_factor
 
     def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
         """Tokens per sample: 2×2 latent patches, and at most ``max_sequence_length`` text tokens."""
