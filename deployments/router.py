@@ -93,8 +93,8 @@ class Router:
     Raises ``ValueError`` when its deployment asks for more than one replica (a Serve config
     file's ``deployments`` entry applied by a live ``serve deploy``, which ``bind_app`` never
     sees): its queues, counters and video jobs are its own, so a second Router's jobs would
-    404 on the first. Serve then reports the deployment ``DEPLOY_FAILED`` with this message
-    while the running Router keeps serving.
+    404 on the first. A fresh deploy is then ``DEPLOY_FAILED`` with this message; onto a
+    running app the running Router serves on while Serve retries the second.
     """
 
     def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0,
@@ -505,18 +505,21 @@ class Router:
             self._reject("deploy_failed")
             p.future.set_exception(self._deploy_failed_error(p.params.request_id))
 
-    def _answer_deleted(self, p: _Pending) -> None:
-        """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer."""
+    def _answer_deleted(self, p: _Pending, ran: bool = False) -> None:
+        """Answer ``p`` 503 ``unavailable`` (its app is being deleted), unless it has its answer;
+        ``ran``: its batch was running when its replica stopped."""
         if not p.future.done():
             self._reject("app_deleted")
-            p.future.set_exception(self._deleted_error(p.params.request_id))
+            p.future.set_exception(self._deleted_error(p.params.request_id, ran))
 
     @staticmethod
-    def _deleted_error(request_id: str | None) -> ServiceUnavailableError:
-        """The 503 of a request that arrived or waited while its app is being deleted."""
-        return ServiceUnavailableError("the server is shutting down (its app is being deleted) before this request "
-                                       "ran; retry once it is deployed again", code="unavailable",
-                                       request_id=request_id)
+    def _deleted_error(request_id: str | None, ran: bool = False) -> ServiceUnavailableError:
+        """The 503 of a request that arrived or waited while its app is being deleted, or
+        (``ran``) whose batch its replica stopped once ``graceful_shutdown_timeout_s`` passed."""
+        when = (": this request's batch was stopped while it ran, its replica's graceful_shutdown_timeout_s having "
+                "passed" if ran else " before this request ran")
+        return ServiceUnavailableError(f"the server is shutting down (its app is being deleted){when}; retry once "
+                                       "it is deployed again", code="unavailable", request_id=request_id)
 
     def _deploy_failed_error(self, request_id: str | None) -> ServiceUnavailableError:
         """The 503 of a request that no replica can run: every one is gone and Serve could not
@@ -763,13 +766,7 @@ class Router:
                 await self._answer_queued_if_unservable()  # reads whether its app is being deleted
                 if self._deleting:  # stopped with its app once the grace passed: a shutdown, not a failure
                     for p in pending:
-                        if not p.future.done():
-                            self._reject("app_deleted")
-                            p.future.set_exception(ServiceUnavailableError(
-                                "the server is shutting down (its app is being deleted): this request's batch was "
-                                "stopped while it ran, its replica's graceful_shutdown_timeout_s having passed; "
-                                "retry once it is deployed again", code="unavailable",
-                                request_id=p.params.request_id))
+                        self._answer_deleted(p, ran=True)
                     pending = []
             if pending:
                 self._counters["failed_batches"] += 1

@@ -212,7 +212,7 @@ def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defau
     )
 
 
-def check_split(width: int, height: int, limits: ServingLimits, field: str) -> None:
+def check_edit_size(width: int, height: int, limits: ServingLimits, field: str) -> None:
     """An edit's output size (its ``size``, or the image's own scaled down): raises
     ``InvalidRequestError`` naming ``field`` for one the model cannot take (:func:`size_problem`:
     a side past its position table, too elongated) or sequence parallelism cannot split
@@ -230,7 +230,7 @@ def resolve_edit(request: ImageEditRequest, limits: ServingLimits,
     ``cache_dit_params`` (:func:`check_unrequested_cache_dit`, for the steps ``strength`` runs)."""
     mode = edit_mode(request, limits)
     width, height, images, mask = decode_edit_inputs(request, limits)
-    check_split(width, height, limits, "size" if request.size else "image")
+    check_edit_size(width, height, limits, "size" if request.size else "image")
     base = _resolve_image(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
     strength = request.strength if request.strength is not None else default_strength(mode, limits)
     return check_unrequested_cache_dit(dataclasses.replace(base, input_mode=mode, strength=strength,
