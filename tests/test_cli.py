@@ -772,3 +772,40 @@ def test_the_video_bar_is_drawn_with_the_job_status(tmp_path, capsys, monkeypatc
     finally:
         server.shutdown()
     assert made and made[0]["desc"] == "queued"
+
+
+@pytest.mark.parametrize("module", ["pydantic", "yaml", "deployments.config"])
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_exit_130_too(tmp_path, module):
+    """Ctrl-C in the first ~0.2 s of ``ditserve generate`` (Python importing the CLI's
+    dependencies, before its handler existed) printed a traceback of the module being imported
+    (helper-23's review). The console script's entry point (``deployments.entry``) imports the CLI
+    itself: SIGINT delivered exactly while ``module`` loads, through an audit hook, is one line."""
+    import subprocess
+    import sys
+
+    script = ("import os, signal, sys\n"
+              "sent = []\n"
+              "def hook(event, args):\n"
+              f"    if event == 'import' and args[0] == {module!r} and not sent:\n"
+              "        sent.append(1); os.kill(os.getpid(), signal.SIGINT)\n"
+              "sys.addaudithook(hook)\n"
+              "from deployments.entry import main\n"
+              f"sys.argv = ['ditserve', 'generate', 'a star', '-o', {str(tmp_path / 'x.png')!r}]\n"
+              "sys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent.parent)
+    assert (proc.returncode, proc.stderr) == (130, "interrupted\n"), proc.stderr[-2000:]
+
+
+def test_the_console_script_is_the_light_entry_point():
+    """``ditserve`` (pyproject's console script) starts at ``deployments.entry``, which imports only
+    the standard library before the CLI (so the test above covers what a user runs)."""
+    import ast
+    import tomllib
+
+    root = Path(__file__).parent.parent
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["ditserve"] == "deployments.entry:main"
+    tree = ast.parse((root / "deployments" / "entry.py").read_text())
+    top = {alias.name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+           for alias in node.names} | {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert top <= {"__future__", "annotations", "signal", "sys"}, top
