@@ -428,11 +428,11 @@ class BearerAuth:
 
     @staticmethod
     def _public(scope) -> bool:
-        """The app's own ``/health``, and ``GET`` of the app's root (the static playground page);
-        nothing else (``/v1/videos/health`` reached the Router without a key)."""
+        """The app's own ``/health``, and ``GET`` / ``HEAD`` of the app's root (the static
+        playground page); nothing else (``/v1/videos/health`` reached the Router without a key)."""
         path = scope["path"].rstrip("/")
         root = scope.get("root_path", "").rstrip("/")
-        return path == f"{root}/health" or (path == root and scope.get("method") == "GET")
+        return path == f"{root}/health" or (path == root and scope.get("method") in ("GET", "HEAD"))
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:

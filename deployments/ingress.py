@@ -486,14 +486,15 @@ class Ingress:
     async def http_stats(self):
         return await self.stats()
 
-    @api.get("/", response_class=HTMLResponse)
+    @api.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def http_playground(self):
         """The playground page: a prompt, size/steps/seed and the accelerations, streamed previews
         and progress, the image or video with its ``ditserve`` metadata. Static (no data of the
-        server's), so it is served without auth; its API calls carry the key typed into it."""
+        server's), so it is served without auth; its API calls carry the key typed into it.
+        ``HEAD`` gets the headers alone (a load balancer's check; it was 401, or 405 with a key)."""
         return HTMLResponse(PLAYGROUND.read_text(), headers={"Cache-Control": "no-cache"})
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def http_health(self):
         """200 ``{"status": "ok"}`` while the app can take requests: its model's facts known and
         its Router answering; else the 503 a request would get (a readiness probe's path; a

@@ -56,6 +56,12 @@ def test_keys_are_required_and_compared(url, authed):
                  "/v1/videos/health", "/nothing/health"):  # (any path ending /health passed without a key)
         assert httpx.get(f"{url}{path}", timeout=60).status_code == 401, path
     assert httpx.delete(f"{url}/v1/videos/health", timeout=60).status_code == 401
+    for path in ("/", "/health"):  # HEAD (a load balancer's check) was 401 without a key, 405 with one
+        for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+            r = httpx.head(f"{url}{path}", headers=headers, timeout=60)
+            assert (r.status_code, r.content) == (200, b""), (path, headers, r.status_code)
+    assert httpx.head(f"{url}/", timeout=60).headers["content-type"].startswith("text/html")
+    assert httpx.head(f"{url}/v1/models", timeout=60).status_code == 401
     client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     assert client.images.generate(prompt="a", response_format="b64_json",
                                   extra_body={"num_inference_steps": 2}).data
