@@ -43,6 +43,7 @@ import json
 import logging
 import os
 
+from ray.util.metrics import Counter
 from starlette.middleware import Middleware
 
 # "<limit>; prefix=<route prefix>; epoch=<ns>": requests an app holds at once (the Router's live
@@ -188,6 +189,10 @@ class AdmissionGate:
         self.idle_since: dict[str, float] = {}  # route prefix -> when its last request in flight ended
         self.epochs: dict[str, int] = {}     # route prefix -> the newest Ingress start (ns) seen answering
         self.epoch_heard: dict[str, float] = {}  # route prefix -> when that Ingress last answered
+        # its refusals never reach the Router (whose rejections_total counts the rest); exported
+        # by this proxy process as ray_ditserve_admission_refusals_total{route_prefix}
+        self.refusals = Counter("ditserve_admission_refusals", "Requests the HTTP proxy answered 429 at an app's "
+                                "admission limit, before Serve routed them", tag_keys=("route_prefix",))
 
     def learn_from(self, message) -> None:
         """Learn a limit and prefix from a response start's :data:`ADMISSION_HEADER`."""
@@ -229,6 +234,7 @@ class AdmissionGate:
             if now - self.idle_since.get(prefix, now) > ADMISSION_STALE_AFTER_IDLE_S:
                 self.confirmed.discard(prefix)
         if prefix in self.confirmed and self.in_flight.get(prefix, 0) >= self.limits[prefix]:
+            self.refusals.inc(tags={"route_prefix": prefix})
             body = envelope_for(429)
             await send({"type": "http.response.start", "status": 429,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),

@@ -28,6 +28,19 @@ from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
 
 logger = logging.getLogger("ray.serve")
+# The replica's cumulative counters (GET /v1/stats, per replica) exported to Prometheus, counted on
+# rank 0 (the state a multi-rank replica's ranks keep alike): name -> description
+EXPORTED_COUNTERS = {
+    "state_changes": "Batches whose signature differed from the replica's previous batch's",
+    "mounts": "Cache-DiT mounts", "remounts": "Cache-DiT mounts after an unmount",
+    "refreshes": "Cache-DiT refreshes (same key, new steps)", "unmounts": "Cache-DiT unmounts",
+    "mount_failures": "Cache-DiT mounts that raised (their batch failed)",
+    "attention_switches": "Attention kernel switches", "compiles": "torch.compile builds",
+    "offload_moves": "Idle-expert offload moves (a transformer brought to the device)",
+    "lora_loads": "LoRA adapter loads on this replica (rank 0)",
+    "lora_evictions": "LoRA adapter evictions on this replica (rank 0)",
+    "lora_hits": "LoRA adapter hits on this replica (rank 0)",
+}
 EXIT_DELAY_S = 0.5  # a broken replica exits this long after answering its failing batch
 WANTED_POLL_S = 2.0  # the longest a running batch's long poll of its callers waits for a change
 WANTED_FIRST_POLL_S = 0.25  # a batch's first long poll waits this long (a shorter batch needs none: RPCs cost CPU)
@@ -137,10 +150,9 @@ class DiTReplica:
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())
             warmup = Batch("warmup", BatchSignature.of(head), (head,))
             self._compute.call(self._runner.run, warmup) if self._ranks is None else self._ranks.run_sync(warmup)
-        self._lora_metrics = {key: Counter(f"ditserve_{key}", f"LoRA adapter {key.removeprefix('lora_')} on this "
-                                                               "replica (rank 0)")
-                              for key in self._runner.lora.counters}
-        self._lora_reported = dict(self._runner.lora.counters)
+        # /v1/stats' replica counters, exported as ray_ditserve_<name>_total (the LoRA ones began so)
+        self._metrics = {key: Counter(f"ditserve_{key}", what) for key, what in EXPORTED_COUNTERS.items()}
+        self._reported = dict.fromkeys(EXPORTED_COUNTERS, 0)  # counter -> value exported so far
         self._lock = asyncio.Lock()
         self._state: str | None = None  # digest of the last batch's signature
         self._batches = 0
@@ -211,18 +223,19 @@ class DiTReplica:
         """What the request router sees of this replica (every ``routing_stats_period_s``): its
         state (signature, adapters loaded and active, kernel, Cache-DiT key), the adapters its
         last registry update refused (``loras_refused``, names) and counters. Also
-        exports the LoRA loads, evictions and hits since the last call to Prometheus."""
-        for key, value in self._runner.lora.counters.items():
-            if value > self._lora_reported[key]:
-                self._lora_metrics[key].inc(value - self._lora_reported[key])
-                self._lora_reported[key] = value
-        return {"signature": self._state, "batches": self._batches, "state_changes": self._state_changes,
+        exports the :data:`EXPORTED_COUNTERS`' increases since the last call to Prometheus."""
+        counters = {"state_changes": self._state_changes, **self._runner.counters()}
+        for key, metric in self._metrics.items():
+            if counters.get(key, 0) > self._reported[key]:
+                metric.inc(counters[key] - self._reported[key])
+                self._reported[key] = counters[key]
+        return {"signature": self._state, "batches": self._batches,
                 "broken": self._broken is not None, "parameter_bytes_per_rank": self._parameter_bytes,
                 "live_update_refused": self._live.refused,
                 # adapters of the registry this replica refused: the chooser sends their batches elsewhere
                 "loras_refused": sorted({name for name, _ in self._refused_loras}),
                 "parallel": dataclasses.asdict(self._parallel),
-                **self._runner.state_report(), **self._runner.counters()}
+                **self._runner.state_report(), **counters}
 
     async def _stop_when_unwanted(self, batch: Batch, stop: threading.Event, gone: dict,
                                   steps_done=lambda: 0, started: float | None = None) -> None:

@@ -59,6 +59,9 @@ CALLER_LEASE_S = 5.0
 # Longest wait for the controller's app status (Router._answer_queued_if_unservable).
 STATUS_TIMEOUT_S = 2.0
 STATUS_MIN_INTERVAL_S = 1.0  # the app's status is read at most this often
+# ditserve_batch_size's bucket edges (images): between whole sizes, so that sizes 1 and 2 have
+# buckets of their own and none sits on an edge (see the Histogram)
+BATCH_SIZE_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5]
 
 
 @dataclass(eq=False)
@@ -142,8 +145,11 @@ class Router:
         # float a client sends (guidance_scale, a LoRA scale), kept by Ray for good.
         self._metric_queue_depth = Gauge("ditserve_queue_depth", "Requests queued, by priority",
                                          tag_keys=("priority",))
+        # Ray rebuilds a histogram's _sum from its buckets' midpoints (OpenTelemetryMetricRecorder.
+        # record_histogram_aggregated_batch): edges between whole sizes make batches of 1 and 2
+        # exact (edges at 1, 2, 4 ... counted a batch of 1 as 0.5, of 2 as 1.5)
         self._metric_batch_size = Histogram("ditserve_batch_size", "Images per dispatched batch",
-                                            boundaries=[1, 2, 4, 8, 16, 32, 64])
+                                            boundaries=BATCH_SIZE_BUCKETS)
         self._metric_queue_wait = Histogram("ditserve_queue_wait_ms", "Time a request waited in its queue (ms)",
                                             boundaries=[1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000, 30000])
         self._metric_routing = Counter("ditserve_routing_decisions", "Batches dispatched, by routing decision",
@@ -156,6 +162,12 @@ class Router:
         self._metric_cancelled_queued = Counter("ditserve_cancelled_queued", "Queued requests never run because "
                                                 "their callers left (disconnect, cancelled handle call, deleted "
                                                 "video job, lease lost)")
+        self._metric_batches = Counter("ditserve_batches", "Batches that finished with their outputs")
+        self._metric_requests = Counter("ditserve_requests", "Requests answered with their outputs")
+        self._metric_failed_batches = Counter("ditserve_failed_batches", "Batches that failed (their requests "
+                                              "answered with an error)")
+        self._metric_requeued = Counter("ditserve_requeued", "Requests put back in their queue because their batch "
+                                        "was not run (its replica stopped before starting it)")
         self._metric_steps_saved = Counter("ditserve_steps_saved", "Denoising steps not run because their callers "
                                            "left: a stopped batch's steps, a dropped request's steps x n",
                                            tag_keys=("scope",))
@@ -417,6 +429,7 @@ class Router:
         (or any other caller) renews."""
         while True:
             await asyncio.sleep(1.0)
+            self._report_queue_depth()
             now = time.monotonic()
             cut_off = now - self._reached > CALLER_LEASE_S
             waiting = self._queued or self._unstarted or self._facts_waiting
@@ -540,6 +553,7 @@ class Router:
         self._queue_changed(added=again)
         if again:
             self._counters["requeued"] += len(again)
+            self._metric_requeued.inc(len(again))
             logger.warning("batch %s was not run (%s); %d requests requeued", batch_id, type(cause).__name__,
                            len(again))
         return [p for p in pending if p not in again]
@@ -562,7 +576,14 @@ class Router:
             del self._queues[signature]
         self._queued_by_priority.update(p.params.priority for p in added)
         self._queued_by_priority.subtract(p.params.priority for p in removed)
-        for priority in {p.params.priority for p in (*added, *removed)}:
+        self._report_queue_depth({p.params.priority for p in (*added, *removed)})
+
+    def _report_queue_depth(self, priorities=tuple(Priority)) -> None:
+        """Set the queue-depth gauge of ``priorities`` (every one by default: the 1 s watch
+        does, since Ray's metrics agent drops a gauge value not set again within two report
+        intervals, ``OpenTelemetryMetricRecorder._resolve_gauge_ttl_seconds``: a backlog that
+        stood still vanished from the export)."""
+        for priority in priorities:
             self._metric_queue_depth.set(self._queued_by_priority[priority], tags={"priority": str(priority)})
 
     def _reject(self, reason: str) -> None:
@@ -725,6 +746,7 @@ class Router:
             if outputs is None or len(outputs) != len(pending):
                 raise RuntimeError(f"replica answered {0 if outputs is None else len(outputs)} outputs "
                                    f"for {len(pending)} requests")
+            answered = 0
             for p, out in zip(pending, outputs, strict=True):
                 out.timings_ms["queue"] = (dispatched - p.enqueued) * 1e3
                 if out.dropped_at_step is not None:  # its caller left while it ran: its rows were dropped
@@ -740,8 +762,12 @@ class Router:
                     p.future.set_exception(out.error)
                 else:
                     p.future.set_result(out)
+                    answered += 1
             self._counters["batches"] += 1
-            self._counters["requests"] += len(pending)
+            self._counters["requests"] += answered  # not those dropped, timed out or failed in it
+            self._metric_batches.inc()
+            if answered:
+                self._metric_requests.inc(answered)
         except asyncio.CancelledError:  # its app is being deleted and no replica had taken it
             stream.cancel()  # Serve's request too, should a replica have taken it meanwhile
             raise
@@ -770,6 +796,7 @@ class Router:
                     pending = []
             if pending:
                 self._counters["failed_batches"] += 1
+                self._metric_failed_batches.inc()
                 logger.error("batch %s failed: %s: %s", batch.batch_id, type(cause).__name__, cause)
             for p in pending:
                 if p.future.done():

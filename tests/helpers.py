@@ -102,3 +102,22 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("condition not reached")
+
+
+def metrics_samples(prefix: str, timeout: float = 60.0, until=None) -> list[str]:
+    """The Prometheus samples (lines) whose name starts with ``prefix`` in this driver's Ray node's
+    metrics export (``ray.init``'s node), read until ``until(samples)`` holds (default: any sample)
+    or ``timeout`` s pass (Ray exports every ``metrics_report_interval_ms``, 10 s by default).
+    Returns the last read."""
+    import httpx
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port  # Ray's own node record (no public API)
+    until = until or bool
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        samples = [line for line in text.splitlines() if line.startswith(prefix)]
+        if until(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(1.0)

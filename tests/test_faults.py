@@ -107,6 +107,9 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     counters = counted(url, base)
     assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
     assert 0 < counters["sample_steps_saved"] < 40
+    # requests answered with their outputs: the blocker and the one that stayed (the dropped one
+    # was counted too, as finished, beside its cancelled_running_requests)
+    assert (counters["batches"], counters["requests"]) == (2, 2), counters
     assert answer.ditserve.batch_size == 2
     alone = post(url, stays, timeout=600)
     assert alone.json()["ditserve"]["batch_size"] == 1

@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve` scripts
 # Ray's custom metrics from deployments/router.py (and the replica's LoRA loads), as the metrics export names them.
 METRICS = ("ditserve_queue_depth", "ditserve_batch_size", "ditserve_queue_wait_ms", "ditserve_routing_decisions",
-           "ditserve_rejections", "ditserve_lora_loads", "ditserve_cancelled_queued")
+           "ditserve_rejections", "ditserve_lora_loads", "ditserve_cancelled_queued", "ditserve_batches",
+           "ditserve_requests", "ditserve_state_changes")
 
 
 @dataclass
@@ -233,6 +234,9 @@ EXPORTED = {
     "ditserve_rejections": ["ray_ditserve_rejections_total"],
     "ditserve_lora_loads": ["ray_ditserve_lora_loads_total"],  # DiTReplica's (configs/tiny-cpu.yaml's adapters)
     "ditserve_cancelled_queued": ["ray_ditserve_cancelled_queued_total"],  # the client's cancelled queued request
+    "ditserve_batches": ["ray_ditserve_batches_total"],
+    "ditserve_requests": ["ray_ditserve_requests_total"],
+    "ditserve_state_changes": ["ray_ditserve_state_changes_total"],  # DiTReplica's: the client's n=4 batch, its LoRA
 }
 
 
@@ -259,3 +263,11 @@ def test_ditserve_metrics_in_prometheus_export(ops_cluster, client_run):
     assert not any(s.startswith("ray_ditserve_queue_depth{") and "signature=" in s for s in samples)  # unbounded
     assert any('application="ditserve"' in s for s in samples)
     assert any(n.startswith("ray_serve_") for n in names)  # Serve's own metrics come through the same export
+    # the queue-depth gauge stays exported while nothing changes: Ray's agent drops a gauge value
+    # not set again within two report intervals (1 s here), and a standing backlog (or an idle
+    # app's 0) vanished from the export
+    time.sleep(5)
+    for _ in range(3):
+        depth = [s for s in _scrape(ops_cluster.metrics_url)[1] if s.startswith("ray_ditserve_queue_depth{")]
+        assert {p for p in ("interactive", "batch") for s in depth if f'priority="{p}"' in s} == {"interactive", "batch"}, depth
+        time.sleep(1)

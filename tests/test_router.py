@@ -19,7 +19,7 @@ from compat.ray_serve import deploy_config
 from deployments.faults import FAULT_ENV, STARTUP_FAULT_ENV
 from pipeline.contract.images import ImageGenerationResponse
 from pipeline.errors import RequestTimeoutError, ServiceUnavailableError
-from tests.helpers import post, wait_until
+from tests.helpers import metrics_samples, post, wait_until
 from tests.helpers import router_stats as stats
 
 pytestmark = pytest.mark.slow
@@ -230,6 +230,10 @@ def test_the_proxy_refuses_at_the_admission_limit_without_asking_the_ingress(dep
     counters = held()["counters"]
     assert counters.get("requests", 0) - before.get("requests", 0) == 7
     assert counters.get("rejected_overloaded", 0) == before.get("rejected_overloaded", 0)
+    # the proxy counts its refusals (they never reach the Router): an operator saw no overload at all
+    refused = lambda samples: sum(float(s.rsplit(" ", 1)[1]) for s in samples if 'route_prefix="/"' in s)  # noqa: E731
+    samples = metrics_samples("ray_ditserve_admission_refusals_total", until=lambda s: refused(s) >= 12)
+    assert refused(samples) >= 12, samples
 
 
 def test_a_batch_priority_backlog_leaves_interactive_work_room(deploy):
