@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
+from python_multipart.multipart import parse_options_header
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.proxy import BODY_SCOPE_KEY, admission_header
@@ -192,17 +193,19 @@ async def json_body(request: Request, max_json_bytes: int):
 
 
 async def json_or_form_body(request: Request, max_json_bytes: int, max_body_bytes: int,
-                            files: tuple[str, ...] = (), json: bool = True) -> dict:
+                            files: tuple[str, ...] = (), json: bool = True, file_lists: tuple[str, ...] = ()) -> dict:
     """A body sent as JSON or as a form (multipart or url-encoded, how OpenAI's SDK sends
     ``videos.create`` and ``images.edit``), as a JSON-like dict; forms go through
     :func:`form_to_body`, uploads of the fields named in ``files`` become bytes (a list for
-    ``name[]``). ``json=False``: forms only (415 for JSON)."""
+    those in ``file_lists``, given as ``name[]`` or repeated). ``json=False``: forms only (415 for JSON)."""
     kind = media_type(request)
     if kind == JSON_TYPE and json:
         return parse_json(await read_body(request, max_json_bytes))
     if kind not in FORM_TYPES:
         raise _unsupported(request, (JSON_TYPE, *FORM_TYPES) if json else FORM_TYPES[:1])
     raw = await read_body(request, max_body_bytes)
+    if kind == FORM_TYPES[0]:
+        check_multipart_ends(request.headers.get("content-type", ""), raw)
 
     async def replay():
         return {"type": "http.request", "body": raw, "more_body": False}
@@ -217,7 +220,20 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
         if not isinstance(value, str) and key.removesuffix("[]") in files:
             value = await value.read()  # an upload (already inside the capped body)
         items.append((key, value))
-    return form_to_body(items, files)
+    return form_to_body(items, files, file_lists)
+
+
+def check_multipart_ends(content_type: str, raw: bytes) -> None:
+    """Raise ``InvalidRequestError`` (``param`` ``body``, code ``invalid_form``) for a multipart
+    body without its close delimiter ``--<boundary>--`` (RFC 2046 section 5.1.1): one cut short.
+    Starlette's parser keeps a part only once the next delimiter arrives and raises nothing at
+    such an end, so the unfinished last part (a ``mask``, an ``input_reference``, a ``strength``)
+    was dropped and the request ran without it. A missing boundary is left to the parser's error."""
+    boundary = parse_options_header(content_type)[1].get(b"boundary")
+    if boundary and b"--" + boundary + b"--" not in raw:
+        closing = shown(f"--{boundary.decode('latin-1')}--", 80)
+        raise InvalidRequestError(f"the multipart body ends without its closing boundary {closing}: it was cut "
+                                  "short, and its last part would be lost", param="body", code="invalid_form")
 
 
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
@@ -225,7 +241,8 @@ _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 _FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds", "lora[][name]"}
 
 
-def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -> dict:
+def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
+                 file_lists: tuple[str, ...] = ()) -> dict:
     """Form fields → a JSON body, decoding the names OpenAI's SDK writes (``array_format``
     "brackets", ``openai/_qs.py``).
 
@@ -243,15 +260,19 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
     True, ``[{"name": "a"}]``), else kept as text, and validation then names bad ones.
 
     Uploads (bytes) are accepted for the fields named in ``files`` only; elsewhere a file is a
-    400 naming the field. An upload field given twice becomes a list, as ``name[]`` does.
+    400 naming the field. An upload field of ``file_lists`` given twice becomes a list, as
+    ``name[]`` does; another upload field takes one file (given twice, or as ``name[]``: a 400).
     """
     body: dict = {}
     lists: dict[tuple[str, ...], dict[tuple[str, ...], list]] = {}  # list path -> item field path -> values
     for key, value in items:
         match = _FORM_KEY.match(key)
         if not match:
-            raise InvalidRequestError(f"malformed form field name {key[:40]!r}", param=key[:40])
+            raise InvalidRequestError(f"malformed form field name {key[:40]!r}", param=key[:40], code="invalid_form")
         path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
+        if isinstance(value, bytes) and path[0] in files and path[1:] == [""] and path[0] not in file_lists:
+            raise InvalidRequestError(f"{path[0]}: takes one file, sent as {path[0]} (not {path[0]}[])",
+                                      param=path[0], code="invalid_form")
         if isinstance(value, bytes) and path[0] in files and len(path) <= 2 and path[1:] in ([], [""]):
             pass  # an upload where one is expected
         elif not isinstance(value, str):
@@ -271,7 +292,7 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = ()) -
                                           "in one object; it takes one value", param=path[0],
                                           code="invalid_form") from None
         if "" not in path[:-1]:
-            _form_put(body, path, value, key, repeatable=path[0] in files)
+            _form_put(body, path, value, key, repeatable=path[0] in file_lists)
             continue
         at = path.index("")
         if "" in path[at + 1:]:
@@ -315,21 +336,25 @@ def _form_put(body: dict, path: list[str], value, key: str, *, repeatable: bool,
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param)
+            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param,
+                                      code="invalid_form")
     last = parts[-1]
     if append:
         node = node.setdefault(last, [])
         if not isinstance(node, list):
-            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=param)
+            raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list", param=param,
+                                      code="invalid_form")
         node.append(value)
     elif last not in node:
         node[last] = value
     elif repeatable:  # a repeated upload field (curl -F image=@a -F image=@b)
         node[last] = [*(node[last] if isinstance(node[last], list) else [node[last]]), value]
     elif isinstance(node[last], dict):
-        raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param)
+        raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and an object", param=param,
+                                  code="invalid_form")
     else:
-        raise InvalidRequestError(f"form field {key[:40]!r} is given more than once; it takes one value",
+        one = "file" if isinstance(value, bytes) else "value"
+        raise InvalidRequestError(f"form field {key[:40]!r} is given more than once; it takes one {one}",
                                   param=param, code="invalid_form")
 
 

@@ -59,7 +59,8 @@ LIST_QUERY = [
     {"name": "order", "in": "query", "required": False, "description": "by created_at",
      "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}}]
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
-EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads (image may repeat as image[])
+EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads
+EDIT_FILE_LISTS = ("image",)  # of those, the one that may repeat (image[], or image given twice)
 VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
 
 
@@ -451,7 +452,7 @@ class Ingress:
     @api.post("/v1/images/edits", openapi_extra=request_body(ImageEditRequest, forms=True), dependencies=NO_QUERY)
     async def http_edit(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=EDIT_FILES,
-                                       json=False)
+                                       json=False, file_lists=EDIT_FILE_LISTS)
         return await self._http_image(key_default_priority(body, request), edit=True)
 
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True), dependencies=NO_QUERY)

@@ -145,7 +145,7 @@ def test_a_key_given_twice_in_a_json_object_is_a_400_naming_it():
         assert err.param == "body" and err.code == "invalid_value" and "JSON object" in err.message
 
 
-def sdk_form(call, files: tuple[str, ...]) -> dict:
+def sdk_form(call, files: tuple[str, ...], file_lists: tuple[str, ...] = ()) -> dict:
     """The body the Ingress decodes (Starlette's form parser, then ``form_to_body``) from the
     multipart form OpenAI's SDK sends for ``call(client)``: the SDK's own encoding, byte for byte."""
     import asyncio
@@ -167,7 +167,8 @@ def sdk_form(call, files: tuple[str, ...]) -> dict:
                 http_client=httpx.Client(transport=httpx.MockTransport(answer))))
     (content_type, raw), = sent
     scope = {"type": "http", "headers": [(b"content-type", content_type.encode())], BODY_SCOPE_KEY: raw}
-    return asyncio.run(json_or_form_body(Request(scope), 1 << 20, 1 << 20, files=files, json=False))
+    return asyncio.run(json_or_form_body(Request(scope), 1 << 20, 1 << 20, files=files, json=False,
+                                         file_lists=file_lists))
 
 
 def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent():
@@ -175,7 +176,7 @@ def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent
     loras = [{"name": "magenta", "scale": 0.8}, {"name": "1", "scale": -0.5}]  # "1": a name stays text
     nested = {"Fn_compute_blocks": 2, "scm_cache_bins": [1, 2], "secondary": {"Bn_compute_blocks": 0}}
     body = sdk_form(lambda c: c.images.edit(image=("a.png", b"PNG"), prompt="123", extra_body={
-        "lora": loras, "cache_dit_params": nested, "enable_cache_dit": True, "seed": 3}), ("image", "mask"))
+        "lora": loras, "cache_dit_params": nested, "enable_cache_dit": True, "seed": 3}), ("image", "mask"), ("image",))
     assert body == {"image": b"PNG", "prompt": "123", "lora": loras, "cache_dit_params": nested,
                     "enable_cache_dit": True, "seed": 3}
     deep = [{"name": "a", "x": {"y": 1, "z": "t"}}, {"name": "b", "x": {"y": 2, "z": "u"}}]
@@ -188,8 +189,9 @@ def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent
     assert interleaved == {"lora": [{"name": "a", "scale": 1}, {"name": "b", "scale": 2}]}
     assert form_to_body([("lora", '[{"name": "a"}, {"name": "b", "scale": 2}]')])["lora"][1] == {"name": "b",
                                                                                                    "scale": 2}
-    assert form_to_body([("image", b"a"), ("image", b"b"), ("mask[]", b"c"), ("x[]", "1"), ("x[]", "2")],
-                        files=("image", "mask")) == {"image": [b"a", b"b"], "mask": [b"c"], "x": [1, 2]}  # lists
+    assert form_to_body([("image", b"a"), ("image", b"b"), ("mask", b"c"), ("x[]", "1"), ("x[]", "2")],
+                        files=("image", "mask"), file_lists=("image",)) == {"image": [b"a", b"b"], "mask": b"c",
+                                                                            "x": [1, 2]}  # lists
 
 
 @pytest.mark.parametrize("items, param, words", [
@@ -205,11 +207,17 @@ def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent
      "cache_dit_params", "given more than once"),
     ([("cache_dit_params[x]", "1"), ("cache_dit_params", "2")], "cache_dit_params", "mixes"),
     ([("a]b", "1")], "a]b", "malformed"),
+    # an upload field that takes one file (helper-25's review: "mask: Input should be a valid bytes")
+    ([("image", b"a"), ("mask", b"m"), ("mask", b"m")], "mask", "given more than once; it takes one file"),
+    ([("image", b"a"), ("mask[]", b"m")], "mask", "takes one file, sent as mask"),
+    ([("image", b"a"), ("image", "c")], "image", "expected an uploaded file"),
+    ([("image", b"a"), ("image[]", b"b")], "image", "mixes a value and a list"),
 ])
 def test_forms_that_cannot_be_one_body_are_a_400_naming_the_field(items, param, words):
     with pytest.raises(InvalidRequestError, match=words) as info:
-        form_to_body(items, files=("image", "mask"))
+        form_to_body(items, files=("image", "mask"), file_lists=("image",))
     assert info.value.param == param
+    assert info.value.code is not None  # some form errors carried code null
 
 
 def test_long_values_are_not_echoed_whole():
@@ -284,3 +292,38 @@ def test_a_handle_call_with_a_variant_that_is_not_one_is_a_400_naming_it(variant
     with pytest.raises(InvalidRequestError, match="variant must be one of video, thumbnail") as err:
         asyncio.run(ingress.video_content("video_1", variant))
     assert err.value.param == "variant" and len(err.value.message) < 200
+
+
+def test_a_multipart_body_cut_short_is_refused_not_run_without_its_last_part():
+    """Starlette's parser keeps a part once the next delimiter arrives and says nothing when the
+    body ends first: a body cut in its last part (a mask, an input_reference, a strength) ran
+    without it, an inpainting as image-to-image with 200 (helper-25's review). The SDK's own
+    encoding, whole and cut at every point past its first part."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments.http import json_or_form_body
+    from deployments.proxy import BODY_SCOPE_KEY
+
+    boundary = "ditserve-test-boundary"
+    parts = [("prompt", None, b"x"), ("image", "in.png", b"\x89PNG" + bytes(range(256))),
+             ("mask", "mask.png", b"\x89PNG" + bytes(range(255, -1, -1))), ("strength", None, b"0.1")]
+    raw = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"'.encode()
+                   + (f'; filename="{file}"\r\nContent-Type: image/png'.encode() if file else b"")
+                   + b"\r\n\r\n" + value + b"\r\n" for name, file, value in parts) + f"--{boundary}--\r\n".encode()
+
+    def decoded(body: bytes) -> dict:
+        scope = {"type": "http", "headers": [(b"content-type", f"multipart/form-data; boundary={boundary}".encode())],
+                 BODY_SCOPE_KEY: body}
+        return asyncio.run(json_or_form_body(Request(scope), 1 << 20, 1 << 20, files=("image", "mask"), json=False,
+                                             file_lists=("image",)))
+
+    whole = decoded(raw)
+    assert set(whole) == {"prompt", "image", "mask", "strength"} and whole["strength"] == 0.1
+    assert decoded(raw + b"an epilogue, which RFC 2046 allows")["mask"] == whole["mask"]
+    first_part_end = raw.index(b"--" + boundary.encode(), 1)
+    for cut in range(first_part_end, len(raw) - 3, 7):
+        with pytest.raises(InvalidRequestError, match="ends without its closing boundary") as info:
+            decoded(raw[:cut])
+        assert (info.value.param, info.value.code) == ("body", "invalid_form"), cut

@@ -205,6 +205,7 @@ def test_size_auto_is_the_images_own_size():
 def test_a_repeated_image_form_field_becomes_a_list():
     from deployments.http import form_to_body
 
-    body = form_to_body([("prompt", "x"), ("image", b"a"), ("image", b"b")], files=("image", "mask"))
+    body = form_to_body([("prompt", "x"), ("image", b"a"), ("image", b"b")], files=("image", "mask"),
+                        file_lists=("image",))
     assert body["image"] == [b"a", b"b"]
     assert "at most 1" in str(refused({"image": [picture(), picture()]}))
