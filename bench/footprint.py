@@ -68,8 +68,15 @@ def main() -> int:
         r.raise_for_status()
         time.sleep(1.0)
         print(f"{'process':44s} {'RSS MiB':>8s}  torch")
+        light = {}  # the Ingress's and Router's processes: torch loaded?
         for title, pid in sorted(serve_processes().items()):
-            print(f"{title:44s} {rss_mib(pid):8.1f}  {'yes' if loads_torch(pid) else 'no'}")
+            torch = loads_torch(pid)
+            print(f"{title:44s} {rss_mib(pid):8.1f}  {'yes' if torch else 'no'}")
+            if title.endswith((":Ingress", ":Router")):
+                light[title] = torch
+    met = len(light) == 2 and not any(light.values())
+    print(f"goal: the Ingress and the Router load no torch (README, Footprint): {'MET' if met else 'MISSED'}"
+          + ("" if len(light) == 2 else f" (found {sorted(light)})"))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``ditserve`` command line: ``serve``, ``generate`` and ``demo``."""
+"""The ditserve command line: serve (run the app), generate, edit and video (call a running
+server), demo (start, generate one image, stop)."""
 
 from __future__ import annotations
 
@@ -743,7 +744,8 @@ def _serve_until_stopped(ns) -> int:
             check_port(port)
             checked_app(config["args"], config.get("deployments"))
             print(f"{ns.config or 'the default config'}: application {config['name']!r} passes ditserve's checks "
-                  "(args, deployments entries, user_configs, port)", flush=True)
+                  "(args, deployments entries, user_configs, port number; whether the port is free is known "
+                  "only where it is served)", flush=True)
             return 0
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
@@ -1018,8 +1020,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="a Serve config file (e.g. configs/tiny-cpu.yaml); default: tiny-flux")
     p.add_argument("--address", help="a running Ray cluster to deploy into: HOST:PORT, or auto for the one on "
                                      "this machine (default: $RAY_ADDRESS, else a new local cluster)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--host", help="the address Serve's HTTP proxy listens on (default: the config file's "
+                                  "http_options.host, as Ray Serve reads it; without --config 127.0.0.1)")
+    p.add_argument("--port", type=int, help="its port (default: the config file's http_options.port; "
+                                            "without --config 8000)")
     p.add_argument("--check", action="store_true", help="check the config file (args, deployments entries and "
                    "their user_configs) and exit, starting nothing: before a `serve deploy` of it")
     p.set_defaults(func=_cmd_serve)
@@ -1028,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .jpg or .webp: its format)")
     p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
-                   help="the server (its route prefix too, if not /)")
+                   help="the server (its route prefix too, if not /; default: %(default)s)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
@@ -1048,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mask", help="a PNG the image's size whose transparent pixels (alpha 0) mark what to repaint")
     p.add_argument("--strength", type=float, help="in (0, 1]: the share of the steps that re-noise the image")
     p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
-                   help="the server (its route prefix too, if not /)")
+                   help="the server (its route prefix too, if not /; default: %(default)s)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels (default: the image's size)")
     p.add_argument("--seed", type=int)
     p.add_argument("--steps", type=int, help="num_inference_steps")
@@ -1065,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True, help="MP4 file to write")
     p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
-                   help="the server (its route prefix too, if not /)")
+                   help="the server (its route prefix too, if not /; default: %(default)s)")
     p.add_argument("--size", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--seconds", help="length in whole seconds (or give num_frames in --extra)")
     p.add_argument("--seed", type=int)

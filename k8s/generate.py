@@ -9,8 +9,9 @@ autoscaler and a worker group sized from ``min_replicas`` to ``max_replicas`` re
 pods for a replica Serve adds are created on demand and removed when idle.
 
 Every pod: Serve's proxy answers its own errors in OpenAI's envelope
-(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``), and the Ray dashboard listens on the pod's
-loopback only. GPU pods: an in-memory ``emptyDir`` at ``/dev/shm`` (the 64 MB default breaks
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``), and Ray's token authentication guards the
+dashboard, which listens where KubeRay puts it (the head service: its operator submits
+``serveConfigV2`` through it). GPU pods: an in-memory ``emptyDir`` at ``/dev/shm`` (the 64 MB default breaks
 NCCL's shared-memory transport) and a node affinity on the GPU memory NVIDIA's GPU feature
 discovery labels nodes with (``nvidia.com/gpu.memory``, MiB), so a config lands only on GPUs
 its weights fit. A config with ``auth.api_keys_env`` reads the keys from the Kubernetes Secret

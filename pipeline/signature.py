@@ -71,7 +71,8 @@ class BatchSignature:
 
     def __str__(self) -> str:
         """The signature in the request fields' own names, e.g. ``tiny-flux 64x64 steps=16
-        guidance_scale=3.5 true_cfg_scale=4.0 cache_dit=off cfg_gate_step=1.0 attn=default [digest]``."""
+        guidance_scale=3.5 cache_dit=off cfg_gate_step=1.0 attn=default [digest]`` (with
+        ``true_cfg_scale=4.0`` after the guidance where true CFG runs)."""
         d = self.as_dict()
         frames = f"x{d['num_frames']}f" if d["num_frames"] > 1 else ""
         guidance = [] if d["embedded_guidance_scale"] is None else [f"guidance_scale={d['embedded_guidance_scale']}"]
