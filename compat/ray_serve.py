@@ -93,6 +93,22 @@ def _deployment_config():
                           f"tested with ray{TESTED}") from None
 
 
+def delete_app(name: str, poll_s: float = 0.5) -> None:
+    """Delete application ``name`` and wait until Serve has removed it, however long its
+    replicas' graceful shutdown takes (each is bounded by its ``graceful_shutdown_timeout_s``).
+    ``serve.delete`` gives up after a fixed 60 s with ``TimeoutError`` while the deletion goes
+    on: a batch running at Ctrl-C that outlasted it ended ``ditserve serve`` with a traceback
+    and exit 1. Its ``_blocking=False`` is the same call without that wait."""
+    import time
+
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    serve.delete(name, _blocking=False)
+    while (app := serve.status().applications.get(name)) is not None and app.status != ApplicationStatus.NOT_STARTED:
+        time.sleep(poll_s)
+
+
 def max_ongoing_requests() -> int:
     """The calling replica's ``max_ongoing_requests`` as Serve runs it now (a config file's
     ``deployments`` section changes it without restarting the replica: Serve reconfigures the

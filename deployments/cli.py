@@ -275,7 +275,14 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
             raise CannotStart(f"an application named {name!r} already runs in the Ray cluster at "
                               f"{ray.get_runtime_context().gcs_address}; `ditserve serve` does not replace it: name "
                               "yours otherwise in --config (applications[].name), or delete that one first")
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except Exception as exc:  # noqa: BLE001 - the proxy's bind, raised through its actor
+            if "Failed to bind" not in str(exc):
+                raise
+            # free when checked before the cluster started, taken since (another process)
+            raise CannotStart(f"cannot listen on {host}:{port} (Serve's HTTP proxy could not bind it: taken since "
+                              "it was checked); choose another --port") from None
         listening = http_options()  # the running Serve's, when it ran before with others
         served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve)
         watch = _DeployWatch(name, on_wait) if on_wait is not None else None
@@ -383,14 +390,16 @@ def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     import ray
     from ray import serve
 
+    from compat.ray_serve import delete_app
+
     if not served.joined:
         if drain:
             if served.name in serve.status().applications:
-                serve.delete(served.name)
+                delete_app(served.name)
             serve.shutdown()
     else:
         if deployed and served.name in serve.status().applications:
-            serve.delete(served.name)
+            delete_app(served.name)
         if served.started_serve and not serve.status().applications:
             serve.shutdown()
     ray.shutdown()

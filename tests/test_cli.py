@@ -418,11 +418,11 @@ class _Serving:
             self.proc.kill()
             raise AssertionError("".join(self.lines)[-4000:])
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 120) -> int:
         import signal
 
         self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=120)
+        rc = self.proc.wait(timeout=timeout)
         self.reader.join(timeout=10)
         return rc
 
@@ -487,12 +487,14 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy, 
         # Requests in flight at SIGTERM are each answered: the running batch finishes, the queued
         # ones get 503 (Serve's shutdown stopped its proxy first: every connection dropped unanswered)
         with ThreadPoolExecutor(6) as pool:
-            calls = [pool.submit(httpx.post, f"{server.url}/v1/images/generations", timeout=120,
-                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 30, "size": "256x256"})
+            calls = [pool.submit(httpx.post, f"{server.url}/v1/images/generations", timeout=360,
+                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 20, "size": "256x256"})
                      for i in range(6)]
             wait_until(lambda: httpx.get(f"{server.url}/v1/stats", timeout=30).json()["router"]["inflight_batches"],
                        timeout=60)
-            assert server.stop() == 0, "".join(server.lines)[-4000:]
+            # the batch may take the whole grace on a slowed machine (Serve's serve.delete gave up
+            # after 60 s: a traceback and exit 1, fixed in stop_app)
+            assert server.stop(timeout=360) == 0, "".join(server.lines)[-4000:]
             answers = [call.result() for call in calls]  # raised on a dropped connection
         assert {r.status_code for r in answers} <= {200, 503} and 200 in {r.status_code for r in answers}
         assert all(r.headers.get("retry-after") for r in answers if r.status_code == 503)
