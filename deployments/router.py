@@ -80,10 +80,14 @@ class _Pending:
 
     @property
     def cost(self) -> float:
-        """Pixels the batch's forwards see for this request (reference images join the sequence)."""
-        p = self.params
-        references = p.num_input_images if p.input_mode == InputMode.REFERENCE else 0
-        return float(p.width * p.height * p.num_frames * p.n * (1 + references))
+        return request_cost(self.params)
+
+
+def request_cost(p: SamplingParams) -> float:
+    """Pixels the batch's forwards see for request ``p`` (``max_batch_cost``'s unit: pixels ×
+    frames × n; reference images join the sequence)."""
+    references = p.num_input_images if p.input_mode == InputMode.REFERENCE else 0
+    return float(p.width * p.height * p.num_frames * p.n * (1 + references))
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
@@ -263,6 +267,7 @@ class Router:
             raise InvalidRequestError(f"LoRA adapter {refused[0]!r} was refused by every replica when the adapter "
                                       "registry was updated (why: /v1/stats, the replicas' live_update_refused)",
                                       param="lora", code="adapter_refused", request_id=params.request_id)
+        self._refuse_if_unbatchable(params)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         limit = self._admission_limit()
         shed = params.priority == Priority.BATCH  # lowest priority first: its share of the queue is smaller
@@ -275,6 +280,26 @@ class Router:
             raise OverloadedError(f"{held} requests are held, queued or running: the admission limit is {knob} "
                                   f"plus a full batch per replica ({limit - self._max_queued}); retry later",
                                   code="overloaded", request_id=params.request_id)
+
+    def _refuse_if_unbatchable(self, params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` (400, counted ``rejected_exceeds_batch``) for a request
+        larger than a whole batch: ``n`` past ``max_batch_size``, or pixels × frames × n past
+        ``max_batch_cost`` (the knobs in force: a live update may lower them). A batch's first
+        request always goes, so such a request ran as an oversized batch, past the bound an
+        operator set for the replicas' memory."""
+        if params.n > self._max_batch_size:
+            self._reject("exceeds_batch")
+            raise InvalidRequestError(f"n={params.n} images cannot run in one batch here: batching.max_batch_size is "
+                                      f"{self._max_batch_size}; ask for at most {self._max_batch_size}", param="n",
+                                      code="invalid_value", request_id=params.request_id)
+        cost = request_cost(params)
+        if self._max_batch_cost is not None and cost > self._max_batch_cost:
+            self._reject("exceeds_batch")
+            what = "size, num_frames" if params.num_frames > 1 else "size"
+            raise InvalidRequestError(f"this request is {cost:g} pixels x frames x n (input images included), more than "
+                                      f"one batch holds here (batching.max_batch_cost {self._max_batch_cost:g}): a "
+                                      f"smaller {what} or n", param="size", code="invalid_value",
+                                      request_id=params.request_id)
 
     def refused_adapters(self) -> frozenset[str]:
         """The LoRA adapters every DiTReplica refused at its last registry update (a file

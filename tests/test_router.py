@@ -479,6 +479,11 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
                                                            range(6))]
         assert max(m["batch_size"] for m in metas) == 1
         assert {m["acceleration"]["cfg_gate"]["gate_step"] for m in metas} == {0.5}  # it was 1.0
+        # a request larger than a whole batch ran as an oversized batch of 2 (helper-28's review)
+        over = post(url, {"prompt": "two", "seed": 1, "n": 2, **FAST})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "n", over.text
+        assert "batching.max_batch_size is 1" in over.json()["error"]["message"]
+        assert stats(url)["counters"]["rejected_exceeds_batch"] >= 1
         ingress_replica = admission()["replica"]
         replicas_before = set(stats(url)["replicas"])
         _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update
