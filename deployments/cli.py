@@ -20,6 +20,7 @@ import tempfile
 import time
 import typing
 import urllib.parse
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -649,7 +650,19 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
         kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
-    job = client.videos.create(prompt=prompt, extra_body=_form_fields(body), **kwargs)
+    # the server keeps the job a key made: sent again, the create answers with it (no second job)
+    key = f"ditserve-cli-{uuid.uuid4().hex}"
+
+    def create(on):
+        return on.videos.create(prompt=prompt, extra_body=_form_fields(body), extra_headers={"Idempotency-Key": key},
+                                **kwargs)
+
+    try:
+        job = create(client)
+    except KeyboardInterrupt:
+        # the server may have made the job before its answer came: the same create finds it
+        # (or makes it), then it is deleted, so nothing runs that nobody follows
+        raise _cancelled_create(client, create) from None
     with _following(job.id):
         try:
             while job.status not in ("completed", "failed"):
@@ -682,6 +695,17 @@ def _following(video_id: str):
 
 
 CANCEL_TIMEOUT_S = 5.0  # how long Ctrl-C waits for the server to delete the job
+
+
+def _cancelled_create(client, create) -> KeyboardInterrupt:
+    """Ctrl-C during a video job's create: send ``create`` (its Idempotency-Key) again within
+    :data:`CANCEL_TIMEOUT_S` and delete the job it answers with. :class:`VideoJobCancelled` for
+    that job, or a plain ``KeyboardInterrupt`` when the server did not answer."""
+    try:
+        job = create(client.with_options(timeout=CANCEL_TIMEOUT_S, max_retries=0))
+    except (Exception, KeyboardInterrupt):
+        return KeyboardInterrupt()
+    return VideoJobCancelled(job.id, _deleted(client, job.id))
 
 
 def _deleted(client, video_id: str) -> bool:

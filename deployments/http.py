@@ -8,6 +8,7 @@ than the parser allows) is a 400. Torch-free.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -470,6 +471,26 @@ class BearerAuth:
         for key in keys:  # every key compared, each in constant time
             matched |= hmac.compare_digest(token, key)
         return matched
+
+
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+def idempotency(key: str | None, caller: str, body) -> tuple[str, str] | None:
+    """``(scoped key, fingerprint)`` of an ``Idempotency-Key`` (Stripe's and OpenAI's header for
+    a request safe to send again) given by ``caller`` (its ``Authorization`` header, or
+    ``"handle"``) for ``body`` (the request as sent: uploads by their SHA-256), or None without
+    a key. Keys of different callers never meet. Raises ``InvalidRequestError`` naming
+    ``Idempotency-Key`` for one that is not 1-255 printable ASCII characters."""
+    if key is None:
+        return None
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not (key.isascii() and key.isprintable()):
+        raise InvalidRequestError(f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, "
+                                  f"got {shown(key)}", param="Idempotency-Key", code="invalid_value")
+    scope = hashlib.sha256(caller.encode()).hexdigest()[:16]
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"),
+                      default=lambda v: hashlib.sha256(v).hexdigest() if isinstance(v, bytes) else repr(v))
+    return f"{scope}:{key}", hashlib.sha256(text.encode()).hexdigest()
 
 
 def key_default_priority(body, request):

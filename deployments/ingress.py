@@ -24,8 +24,9 @@ from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
 from deployments.config import AccelerationConfig, admission_limit_of, ingress_update, lora_registry
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
-from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, install_error_handlers, json_body,
-                              json_or_form_body, key_default_priority, load_api_keys, query_params, request_body)
+from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, idempotency, install_error_handlers,
+                              json_body, json_or_form_body, key_default_priority, load_api_keys, query_params,
+                              request_body)
 from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -370,15 +371,23 @@ class Ingress:
                 yield event
         return sse(all_events())
 
-    async def submit_video(self, request: VideoGenerationRequest | dict | None = None, /, **fields) -> VideoJob:
+    async def submit_video(self, request: VideoGenerationRequest | dict | None = None, /, *,
+                           idempotency_key: str | None = None, **fields) -> VideoJob:
         """Create a video job (same contract as ``POST /v1/videos``) and return it at once; the
         body as one dict (or model), or its fields as keywords, as ``generate`` takes them.
+        ``idempotency_key`` (HTTP: the ``Idempotency-Key`` header): while the job it created is
+        kept, the same key with the same request returns that job instead of a second one.
 
-        Raises ``InvalidRequestError`` (every problem listed), ``ModelNotFoundError``,
-        ``OverloadedError`` or ``ServiceUnavailableError``.
+        Raises ``InvalidRequestError`` (every problem listed; a key used for another request),
+        ``ModelNotFoundError``, ``OverloadedError`` or ``ServiceUnavailableError``.
         """
+        body = body_of(request, fields)
+        key = idempotency(idempotency_key, "handle", body.model_dump() if hasattr(body, "model_dump") else body)
+        return await self._submit_video(body, key)
+
+    async def _submit_video(self, body, key: tuple[str, str] | None) -> VideoJob:
         limits = await self._serving_limits()
-        validated = validate_video_request(body_of(request, fields), limits)
+        validated = validate_video_request(body, limits)
         if validated.input_reference is not None:  # decoded off the event loop (Pillow)
             params = await asyncio.to_thread(resolve_video, validated, limits, self._defaults)
         else:
@@ -458,7 +467,8 @@ class Ingress:
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True), dependencies=NO_QUERY)
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
-        return (await self.submit_video(key_default_priority(body, request))).model_dump()
+        key = idempotency(request.headers.get("idempotency-key"), request.headers.get("authorization", ""), body)
+        return (await self._submit_video(key_default_priority(body, request), key)).model_dump()
 
     @api.get("/v1/videos", openapi_extra={"parameters": LIST_QUERY})
     async def http_list_videos(self, request: Request):

@@ -36,6 +36,7 @@ class Job:
     output: RequestOutput | None = None
     task: asyncio.Task | None = None
     preview: bytes | None = None  # the latest preview frame (WebP) while it runs
+    idempotency: tuple[str, str] | None = None  # (scoped Idempotency-Key, its request's fingerprint)
 
     def finish(self, status: JobStatus, error: dict | None = None) -> None:
         self.status, self.error, self.completed_at = status, error, time.time()
@@ -75,12 +76,34 @@ class JobStore:
         self.max_finished = max_finished
         self._clock = clock  # Unix seconds
         self._jobs: dict[str, Job] = {}
+        self._keyed: dict[str, Job] = {}  # scoped Idempotency-Key -> its job, while the job is kept
 
-    def add(self, params: SamplingParams) -> Job:
+    def add(self, params: SamplingParams, idempotency: tuple[str, str] | None = None) -> Job:
+        """A new job for ``params``; ``idempotency``: ``(scoped key, request fingerprint)`` of
+        an ``Idempotency-Key`` (:meth:`keyed` finds the job by it while it is kept)."""
         self.evict()
-        job = Job(params, ttl_s=self.ttl_s)
+        job = Job(params, ttl_s=self.ttl_s, idempotency=idempotency)
         self._jobs[params.request_id] = job
+        if idempotency is not None:
+            self._keyed[idempotency[0]] = job
         return job
+
+    def keyed(self, idempotency: tuple[str, str]) -> Job | None:
+        """The kept job created with this ``Idempotency-Key`` (scoped), or None. Raises
+        ``InvalidRequestError`` (``param`` ``Idempotency-Key``, code ``idempotency_key_reused``)
+        when that job's request was another (its fingerprint differs): a key names one request."""
+        self.evict()
+        job = self._keyed.get(idempotency[0])
+        if job is not None and job.idempotency[1] != idempotency[1]:
+            raise InvalidRequestError(f"Idempotency-Key was used for another request (video job {job.params.request_id}"
+                                      "); a key names one request: send a new key for a new request",
+                                      param="Idempotency-Key", code="idempotency_key_reused")
+        return job
+
+    def _forget(self, job: Job) -> None:
+        del self._jobs[job.params.request_id]
+        if job.idempotency is not None and self._keyed.get(job.idempotency[0]) is job:
+            del self._keyed[job.idempotency[0]]
 
     def get(self, job_id: str) -> Job:
         """The job. Raises ``NotFoundError`` (404) for an unknown, deleted or evicted id."""
@@ -99,7 +122,7 @@ class JobStore:
 
     def pop(self, job_id: str) -> Job:
         job = self.get(job_id)
-        del self._jobs[job_id]
+        self._forget(job)
         return job
 
     def evict(self) -> None:
@@ -114,7 +137,7 @@ class JobStore:
         finished.sort(key=lambda j: j.completed_at)  # the expired ones are a prefix of it
         expired = next((i for i, j in enumerate(finished) if j.completed_at + self.ttl_s > now), len(finished))
         for job in finished[:max(expired, over)]:
-            del self._jobs[job.params.request_id]
+            self._forget(job)
 
 
 class VideoJobs:

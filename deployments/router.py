@@ -867,13 +867,18 @@ class Router:
         self._wakeup.set()
 
     # -- video jobs: admitted and enqueued here, tracked in deployments.jobs ------------------
-    async def create_job(self, params: SamplingParams) -> VideoJob:
+    async def create_job(self, params: SamplingParams, idempotency: tuple[str, str] | None = None) -> VideoJob:
         """Admit and enqueue a video request as a job and return the job at once
-        (``status: queued``). Raises ``OverloadedError`` as ``submit``."""
+        (``status: queued``). ``idempotency``: ``(scoped Idempotency-Key, request fingerprint)``
+        (``deployments.http.idempotency``): while the job a key created is kept, the same key
+        returns it instead of a second job (a client's retry after a lost answer). Raises
+        ``OverloadedError`` as ``submit``; ``InvalidRequestError`` for a key used for another request."""
+        if idempotency is not None and (kept := self._jobs.store.keyed(idempotency)) is not None:
+            return kept.view()
         self._admit(params)
         if self._video_previews and not params.partial_images:  # not in the signature: batches alike
             params = dataclasses.replace(params, partial_images=self._video_previews)
-        job = self._jobs.store.add(params)
+        job = self._jobs.store.add(params, idempotency)
         pending = self._enqueue(params, on_progress=job.on_progress, on_preview=job.on_preview)
         return self._jobs.track(job, pending)
 

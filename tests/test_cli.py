@@ -80,6 +80,7 @@ class _Answering(http.server.ThreadingHTTPServer):
 
     def __init__(self, status: int, content_type: str, body: bytes):
         self.answer, self.posts, self.paths, self.bodies, self.requests = (status, content_type, body), 0, [], [], []
+        self.idempotency_keys = []  # the POSTs' Idempotency-Key headers (None: none sent)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805 (the server is self)
@@ -89,6 +90,7 @@ class _Answering(http.server.ThreadingHTTPServer):
                     self.posts += 1
                     self.paths.append(handler.path)
                     self.bodies.append(sent)
+                    self.idempotency_keys.append(handler.headers.get("idempotency-key"))
                 status, content_type, body = self.answer
                 handler.send_response(status)
                 handler.send_header("content-type", content_type)
@@ -279,6 +281,35 @@ def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, c
         assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("cancelled: video job video_1 may still run on the server")
+    finally:
+        server.shutdown()
+
+
+def test_ctrl_c_while_the_server_creates_the_job_deletes_it_too(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the server created the job but before its answer reached the CLI left the job
+    running where nobody knew its id (stop 47's note). The create carries an Idempotency-Key:
+    the CLI sends it again, which returns the job the server made (or makes one), and deletes it."""
+    from openai.resources.videos import Videos
+
+    create = Videos.create
+    calls = []
+
+    def answered_then_interrupted(self, *args, **kwargs):
+        job = create(self, *args, **kwargs)  # the server made the job and answered...
+        calls.append(job.id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # ...and Ctrl-C came before the CLI saw the answer
+        return job
+
+    monkeypatch.setattr(Videos, "create", answered_then_interrupted)
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    server = _Answering(200, "application/json", json.dumps(job).encode())
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 130
+        assert server.requests == [("POST", "/v1/videos"), ("POST", "/v1/videos"), ("DELETE", "/v1/videos/video_1")]
+        first, again = server.idempotency_keys
+        assert first and first == again  # the same request, so the server answers with the same job
+        assert capsys.readouterr().err == "cancelled: video job video_1 deleted on the server\n"
     finally:
         server.shutdown()
 
