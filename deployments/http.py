@@ -64,10 +64,16 @@ def as_ditserve_error(exc: BaseException) -> DitServeError:
 
 
 def error_response(exc: DitServeError) -> JSONResponse:
-    """The envelope with the error's status, and ``Retry-After`` for 429 / 503."""
-    retry_after = getattr(exc, "retry_after_s", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers)
+    """The envelope with the error's status, ``Retry-After`` for 429 / 503, and
+    ``x-should-retry: false`` for an error a retry would meet again (a request's own
+    ``timeout_s``): OpenAI's SDKs retry every status >= 500 unless told so (``max_retries`` 2 by
+    default; ``openai/_base_client.py``, ``_should_retry``), and ran such a request three times."""
+    headers = {}
+    if getattr(exc, "retry_after_s", None) is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
+    if not getattr(exc, "retryable", True):
+        headers["x-should-retry"] = "false"
+    return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers or None)
 
 
 def install_error_handlers(app) -> None:
@@ -239,7 +245,8 @@ def check_multipart_ends(content_type: str, raw: bytes) -> None:
 
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 # kept as text, never read as JSON (a prompt "123", an adapter named "1"); keys as the SDK writes them
-_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "seconds", "lora[][name]"}
+_FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "safety_identifier", "seconds",
+                     "lora[][name]"}
 
 
 def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),

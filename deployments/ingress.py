@@ -99,6 +99,29 @@ api.add_middleware(BearerAuth)
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
 
+# Operations of OpenAI's API (and its SDK's methods) that ditserve does not serve: a 400 saying so
+# (they were a bare 404 "Not Found", read by the SDK as "no such video", or a 405), not listed in
+# /openapi.json. (method, path, the SDK's method, what to do instead)
+UNSERVED = (
+    ("POST", "/v1/videos/{video_id}/remix", "videos.remix", "create a new video job with the changed prompt"),
+    ("POST", "/v1/videos/edits", "videos.edit", "create a new video job (input_reference takes a first frame)"),
+    ("POST", "/v1/videos/extensions", "videos.extend", "create a new video job"),
+    ("POST", "/v1/videos/characters", "videos.create_character", "describe the character in the prompt"),
+    ("GET", "/v1/videos/characters/{character_id}", "videos.get_character", "describe the character in the prompt"),
+    ("POST", "/v1/images/variations", "images.create_variation",
+     "use POST /v1/images/edits (image-to-image) with a prompt"),
+)
+
+
+def _refuse_unserved(operation: str, instead: str):
+    async def refuse():
+        raise InvalidRequestError(f"{operation} is not served by ditserve; {instead}", code="unsupported_operation")
+    return refuse
+
+
+for _method, _path, _operation, _instead in UNSERVED:
+    api.add_api_route(_path, _refuse_unserved(_operation, _instead), methods=[_method], include_in_schema=False)
+
 
 def body_of(request, fields: dict):
     """A handle call's request body: ``request`` (a dict or contract model), or the keyword
@@ -281,7 +304,7 @@ class Ingress:
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out.images],
-            output_format=params.output_format,
+            output_format=params.output_format, size=f"{params.width}x{params.height}",
             ditserve=GenerationMetadata.of(out, total_ms=(time.perf_counter() - started) * 1e3))
 
     async def _image_params(self, request, *, streamed: bool | None,
@@ -393,7 +416,7 @@ class Ingress:
         else:
             params = resolve_video(validated, limits, self._defaults)
         self._started()
-        return await self._call(self._router.create_job, params)
+        return await self._call(self._router.create_job, params, key)
 
     async def list_videos(self, limit: int | None = None, after: str | None = None,
                           order: ListOrder | str | None = None) -> VideoList:

@@ -102,10 +102,12 @@ class ReplicaUnavailableError(ServiceUnavailableError):
 
 
 class RequestTimeoutError(DitServeError, TimeoutError):
-    """504: the request's ``timeout_s`` deadline passed before it finished."""
+    """504: the request's ``timeout_s`` deadline passed before it finished. Not worth retrying
+    (the deadline is the caller's own): HTTP answers say so (``x-should-retry: false``)."""
 
     status_code = 504
     error_type = "timeout_error"
+    retryable = False
 
 
 class InternalError(DitServeError):

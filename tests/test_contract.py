@@ -58,6 +58,7 @@ def reasons(body: dict) -> InvalidRequestError:
     ({"prompt": "a", "cache_dit_params": {"secondary": {"scm_preset": "fast"}}}, "cache_dit_params", "secondary"),
     ({"prompt": "a", "seed": -1}, "seed", "greater than or equal"),
     ({"prompt": 3}, "prompt", "string"),
+    ({"prompt": "a", "safety_identifier": "x" * 257}, "safety_identifier", "at most 256"),
 ])
 def test_each_bad_field_is_named(body, field, words):
     err = reasons(body)
@@ -178,6 +179,9 @@ VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan-moe", spatial_factor=16
     ({"prompt": "a", "boundary_ratio": -0.1}, "boundary_ratio", "[0, 1]"),
     ({"prompt": "a", "fps": 0}, "fps", "between 1 and 120"),
     ({"prompt": "a", "n": 2}, "n", "unknown field"),
+    # OpenAI's JSON forms of input_reference (they were 'Input should be a valid bytes')
+    ({"prompt": "a", "input_reference": {"image_url": "https://x/a.png"}}, "input_reference", "uploaded image file"),
+    ({"prompt": "a", "input_reference": "aGVsbG8="}, "input_reference", "uploaded image file"),
 ])
 def test_video_bad_input_names_the_field(body, field, words):
     with pytest.raises(InvalidRequestError) as info:
@@ -281,3 +285,16 @@ def test_null_in_cache_dit_params_is_unset():
     for body in ({"Fn_compute_blok": None}, {"secondary": {"Fn_compute_blok": None}}):
         assert "Fn_compute_blok" in reasons({"prompt": "a", "cache_dit_params": body}).message, body
     assert "cache_dit_params.Fn_compute_blocks" in reasons({"prompt": "a", "cache_dit_params": {"Fn_compute_blocks": "2"}}).message
+
+
+def test_openai_sdk_values_the_contract_takes():
+    """Values OpenAI's SDK sends that were refused (helper-29's review): ``size: "auto"`` on a
+    generation (its SDK literal; edits took it) is the server's default size, and
+    ``safety_identifier`` (the SDK's replacement for the deprecated ``user``) is taken as ``user``
+    is: accepted, not used."""
+    from pipeline.sampling import AccelerationDefaults, resolve
+
+    auto = resolve(validate_image_request({"prompt": "a", "size": "auto"}, LIMITS), LIMITS, AccelerationDefaults())
+    plain = resolve(validate_image_request({"prompt": "a"}, LIMITS), LIMITS, AccelerationDefaults())
+    assert (auto.width, auto.height) == (plain.width, plain.height) == (LIMITS.default_width, LIMITS.default_height)
+    assert validate_image_request({"prompt": "a", "safety_identifier": "s1", "user": "u1"}, LIMITS).safety_identifier == "s1"

@@ -327,3 +327,33 @@ def test_a_multipart_body_cut_short_is_refused_not_run_without_its_last_part():
         with pytest.raises(InvalidRequestError, match="ends without its closing boundary") as info:
             decoded(raw[:cut])
         assert (info.value.param, info.value.code) == ("body", "invalid_form"), cut
+
+
+def test_openai_operations_ditserve_does_not_serve_are_a_400_saying_so():
+    """The SDK's videos.remix got 404 "Not Found" (the SDK's NotFoundError: "no such video"),
+    videos.edit / extend / create_character a 405 (helper-29's review): each is a 400
+    ``unsupported_operation`` naming the operation and what to do instead."""
+    import asyncio
+
+    import httpx
+    from openai import AsyncOpenAI, BadRequestError
+
+    from deployments.ingress import UNSERVED, api
+
+    async def run():
+        client = AsyncOpenAI(base_url="http://t/v1", api_key="unused", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=httpx.ASGITransport(api)))
+        for operation, call in {"videos.remix": lambda: client.videos.remix("video_1", prompt="a fox"),
+                                "images.create_variation": lambda: client.images.create_variation(
+                                    image=("a.png", b"x"))}.items():
+            with pytest.raises(BadRequestError) as info:
+                await call()
+            assert info.value.code == "unsupported_operation" and operation in info.value.message
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(api), base_url="http://t") as raw:
+            for method, path, operation, _ in UNSERVED:
+                r = await raw.request(method, path.replace("{video_id}", "video_1").replace("{character_id}", "c"))
+                assert r.status_code == 400 and operation in r.json()["error"]["message"], (path, r.text)
+            listed = (await raw.get("/openapi.json")).json()["paths"]
+        assert not any(path in listed for _, path, _, _ in UNSERVED)  # not part of the published API
+
+    asyncio.run(run())

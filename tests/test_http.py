@@ -46,6 +46,9 @@ def test_image_is_a_png_of_the_requested_size(client):
     response = generate(client, seed=1, size="80x48")
     image = Image.open(io.BytesIO(png_of(response)))
     assert image.format == "PNG" and image.size == (80, 48) and image.mode == "RGB"
+    # OpenAI's ImagesResponse fields, as the streamed completed event carries them (they were None)
+    assert (response.size, response.output_format, response.quality, response.background) == (
+        "80x48", "png", "auto", "opaque")
     meta = response.model_extra["ditserve"]
     assert meta["batch_size"] >= 1 and meta["world_size"] == 1 and meta["seed"] == 1
     assert set(meta["timings_ms"]) == {"queue", "denoise", "decode", "total"}
@@ -147,6 +150,23 @@ def test_openai_client_sees_typed_errors_and_server_keeps_serving(client):
     with pytest.raises(BadRequestError):
         client.images.generate(prompt="a", n=9, response_format="b64_json")
     assert len(generate(client, seed=5).data) == 1
+
+
+def test_the_sdk_does_not_retry_a_request_past_its_own_deadline(url):
+    """OpenAI's SDK retries every status >= 500 twice unless told not to: a request past its own
+    ``timeout_s`` (504) ran three times, each re-queued and started again (helper-29's review).
+    The 504 says ``x-should-retry: false``; a 429 still leaves retrying to the SDK."""
+    import httpx
+    from openai import InternalServerError, OpenAI
+
+    sent = []
+    http_client = httpx.Client(event_hooks={"request": [lambda request: sent.append(request.url.path)]})
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2, http_client=http_client)
+    with pytest.raises(InternalServerError) as info:
+        client.images.generate(prompt="a red circle", size="256x256", response_format="b64_json",
+                               extra_body={"num_inference_steps": 100, "timeout_s": 0.5})
+    assert info.value.status_code == 504 and info.value.response.headers["x-should-retry"] == "false"
+    assert sent == ["/v1/images/generations"]  # one attempt, not three
 
 
 HANDLE_SCRIPT = textwrap.dedent("""

@@ -387,8 +387,10 @@ def test_openai_form_with_lists_and_more_edges(url):
     assert listed["object"] == "list" and job.id in [j["id"] for j in listed["data"]]
     huge = httpx.post(f"{url}/v1/videos", json={"prompt": "a", "seconds": 1e308}, timeout=30)
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "seconds"
-    missing = httpx.get(f"{url}/v1/videos/x/remix", timeout=30)
+    missing = httpx.get(f"{url}/v1/videos/x/nothing", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    r = httpx.post(f"{url}/v1/videos/{job.id}/remix", json={"prompt": "x"}, timeout=30)  # OpenAI's; not served
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_operation", r.text
 
 
 def test_video_forms_decode_lists_of_objects_and_refuse_repeats_and_loose_seconds(url):

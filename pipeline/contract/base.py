@@ -155,7 +155,9 @@ class GenerationRequest(BaseModel):
     prompt: str
     model: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
     size: str | None = None
+    # OpenAI's end-user identifiers (safety_identifier replaces the deprecated user): taken, unused
     user: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = Field(default=None, allow_inf_nan=False)

@@ -38,6 +38,13 @@ class ImageGenerationRequest(GenerationRequest):
     stream: bool = False
     partial_images: int | None = None
 
+    @field_validator("size", mode="before")
+    @classmethod
+    def _auto_size(cls, v):
+        """OpenAI's ``size: "auto"`` (the model's choice; its SDK default): the server's
+        ``limits.default_size``."""
+        return None if v == "auto" else v
+
     @field_validator("partial_images")
     @classmethod
     def _partial_images(cls, v: int | None) -> int | None:
@@ -132,4 +139,7 @@ class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
     output_format: str = "png"
+    size: str | None = None  # "WIDTHxHEIGHT" (pixels) of every image, as OpenAI's ImagesResponse.size
+    quality: str = "auto"  # OpenAI's fields (its streamed events carry them too): no quality levels here
+    background: str = "opaque"  # every image is opaque (no transparent background is made)
     ditserve: GenerationMetadata

@@ -41,6 +41,16 @@ class VideoGenerationRequest(GenerationRequest):
     boundary_ratio: float | None = Field(default=None, allow_inf_nan=False)
     input_reference: bytes | None = Field(default=None, repr=False)
 
+    @field_validator("input_reference", mode="before")
+    @classmethod
+    def _input_reference_upload(cls, v: object) -> object:
+        """Only an uploaded file: OpenAI's JSON forms (``{"image_url": ...}``, ``{"file_id": ...}``)
+        were refused as 'Input should be a valid bytes'."""
+        if v is not None and not isinstance(v, bytes):
+            raise ValueError("input_reference takes an uploaded image file (a multipart form field, as the SDK "
+                             f"sends a file); {type(v).__name__} given (image_url and file_id are not served)")
+        return v
+
     @field_validator("input_reference")
     @classmethod
     def _input_reference(cls, v: bytes | None, info: ValidationInfo) -> bytes | None:
