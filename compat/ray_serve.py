@@ -93,20 +93,30 @@ def _deployment_config():
                           f"tested with ray{TESTED}") from None
 
 
-def delete_app(name: str, poll_s: float = 0.5) -> None:
-    """Delete application ``name`` and wait until Serve has removed it, however long its
-    replicas' graceful shutdown takes (each is bounded by its ``graceful_shutdown_timeout_s``).
-    ``serve.delete`` gives up after a fixed 60 s with ``TimeoutError`` while the deletion goes
-    on: a batch running at Ctrl-C that outlasted it ended ``ditserve serve`` with a traceback
-    and exit 1. Its ``_blocking=False`` is the same call without that wait."""
+def delete_app(name: str, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Delete application ``name`` and wait while Serve deletes it, up to ``timeout_s`` (give
+    the replicas' ``graceful_shutdown_timeout_s`` and a margin). ``serve.delete`` gives up after
+    a fixed 60 s with ``TimeoutError`` while the deletion goes on: a batch running at Ctrl-C
+    that outlasted it ended ``ditserve serve`` with a traceback and exit 1. Its
+    ``_blocking=False`` is the same call without that wait. Returns False when the app is still
+    there at the deadline or no longer being deleted (someone deployed it again meanwhile)."""
     import time
 
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
     serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    deleting = False  # the controller takes the delete asynchronously: the app reads RUNNING at first
     while (app := serve.status().applications.get(name)) is not None and app.status != ApplicationStatus.NOT_STARTED:
+        if app.status == ApplicationStatus.DELETING:
+            deleting = True
+        elif deleting:  # deployed again after its deletion began
+            return False
+        if time.monotonic() > deadline:
+            return False
         time.sleep(poll_s)
+    return True
 
 
 def max_ongoing_requests() -> int:

@@ -129,6 +129,7 @@ class Served:
     port: int
     joined: bool
     started_serve: bool = False
+    grace_s: float = 20.0  # the longest graceful_shutdown_timeout_s of its deployments (s)
 
     @property
     def url(self) -> str:
@@ -215,6 +216,21 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
 
 
+DELETE_MARGIN_S = 60.0  # waited beyond the replicas' grace for an application's deletion
+
+
+def shutdown_grace_s(args: dict, deployments: list[dict] | None = None) -> float:
+    """The longest ``graceful_shutdown_timeout_s`` (s) of the app's deployments: DiTReplica's
+    from ``args`` (``replica``), a ``deployments`` entry's, Serve's default 20 s for the rest.
+    ``args`` were checked (:func:`checked_app`)."""
+    from deployments.config import AppConfig
+
+    graces = [AppConfig.model_validate(args).replica.graceful_shutdown_timeout_s, 20.0]
+    graces += [float(entry["graceful_shutdown_timeout_s"]) for entry in deployments or ()
+               if entry.get("graceful_shutdown_timeout_s") is not None]
+    return max(graces)
+
+
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
               num_cpus: int | None = None, address: str | None = "local",
               deployments: list[dict] | None = None, on_wait=None) -> Served:
@@ -285,7 +301,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
             raise CannotStart(f"cannot listen on {host}:{port} (Serve's HTTP proxy could not bind it: taken since "
                               "it was checked); choose another --port") from None
         listening = http_options()  # the running Serve's, when it ran before with others
-        served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve)
+        served = Served(name, route_prefix, listening["host"], listening["port"], joined, started_serve,
+                        shutdown_grace_s(args, deployments))
         watch = _DeployWatch(name, on_wait) if on_wait is not None else None
         try:
             serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
@@ -396,11 +413,11 @@ def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     if not served.joined:
         if drain:
             if served.name in serve.status().applications:
-                delete_app(served.name)
+                delete_app(served.name, served.grace_s + DELETE_MARGIN_S)
             serve.shutdown()
     else:
         if deployed and served.name in serve.status().applications:
-            delete_app(served.name)
+            delete_app(served.name, served.grace_s + DELETE_MARGIN_S)
         if served.started_serve and not serve.status().applications:
             serve.shutdown()
     ray.shutdown()

@@ -517,12 +517,18 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy, 
         assert set(serve.status().applications) == {"ditserve"}  # nothing deployed into this cluster
         # Requests in flight at SIGTERM are each answered: the running batch finishes, the queued
         # ones get 503 (Serve's shutdown stopped its proxy first: every connection dropped unanswered)
+        router = lambda: httpx.get(f"{server.url}/v1/stats", timeout=30).json()["router"]  # noqa: E731
+        post = lambda i, steps=20: pool.submit(  # noqa: E731
+            httpx.post, f"{server.url}/v1/images/generations", timeout=360,
+            json={"prompt": f"p{i}", "seed": i, "num_inference_steps": steps, "size": "256x256"})
         with ThreadPoolExecutor(6) as pool:
-            calls = [pool.submit(httpx.post, f"{server.url}/v1/images/generations", timeout=360,
-                                 json={"prompt": f"p{i}", "seed": i, "num_inference_steps": 20, "size": "256x256"})
-                     for i in range(6)]
-            wait_until(lambda: httpx.get(f"{server.url}/v1/stats", timeout=30).json()["router"]["inflight_batches"],
-                       timeout=60)
+            # one batch running, five requests queued behind it: every request reached the Router
+            # before SIGTERM (one still on its way from the Ingress when the Router stopped waited in
+            # Serve's handle until the Ingress's grace ended, then 500: stop 48's "not fixed")
+            calls = [post(0, steps=40)]  # long enough for the five to queue behind it
+            wait_until(lambda: router()["inflight_batches"] == 1 and not router()["unstarted_batches"], timeout=60)
+            calls += [post(i) for i in range(1, 6)]
+            wait_until(lambda: router()["queued"] == 5, timeout=60)
             # the batch may take the whole grace on a slowed machine (Serve's serve.delete gave up
             # after 60 s: a traceback and exit 1, fixed in stop_app)
             assert server.stop(timeout=360) == 0, "".join(server.lines)[-4000:]
