@@ -77,6 +77,9 @@ class JobStore:
         self._clock = clock  # Unix seconds
         self._jobs: dict[str, Job] = {}
         self._keyed: dict[str, Job] = {}  # scoped Idempotency-Key -> its job, while the job is kept
+        # scoped Idempotency-Key -> (its deleted job's id, request fingerprint, when deleted), kept
+        # ttl_s and at most max_finished of them: a create arriving late does not make the job again
+        self._deleted_keys: dict[str, tuple[str, str, float]] = {}
 
     def add(self, params: SamplingParams, idempotency: tuple[str, str] | None = None) -> Job:
         """A new job for ``params``; ``idempotency``: ``(scoped key, request fingerprint)`` of
@@ -98,6 +101,12 @@ class JobStore:
             raise InvalidRequestError(f"Idempotency-Key was used for another request (video job {job.params.request_id}"
                                       "); a key names one request: send a new key for a new request",
                                       param="Idempotency-Key", code="idempotency_key_reused")
+        if job is None and idempotency[0] in self._deleted_keys:
+            # its job was deleted (a client's Ctrl-C that sent the create again, then deleted what it
+            # found, while the first create was still on its way): making it again would run unseen
+            job_id, _, _ = self._deleted_keys[idempotency[0]]
+            raise InvalidRequestError(f"the video job this Idempotency-Key made ({job_id}) was deleted; send a new key "
+                                      "for a new job", param="Idempotency-Key", code="idempotency_key_deleted")
         return job
 
     def _forget(self, job: Job) -> None:
@@ -121,8 +130,12 @@ class JobStore:
                       reverse=order == ListOrder.DESC)
 
     def pop(self, job_id: str) -> Job:
+        """Delete job ``job_id``; its Idempotency-Key, if any, stays bound to it (:meth:`keyed`)
+        for ``ttl_s``. Raises ``NotFoundError`` (404)."""
         job = self.get(job_id)
         self._forget(job)
+        if job.idempotency is not None:
+            self._deleted_keys[job.idempotency[0]] = (job_id, job.idempotency[1], self._clock())
         return job
 
     def evict(self) -> None:
@@ -130,6 +143,9 @@ class JobStore:
         pass over the jobs, sorted only when some go (it was quadratic in the finished jobs:
         16,000 expiring at once held the Router's event loop for 1.1 s)."""
         now = self._clock()
+        while self._deleted_keys and (len(self._deleted_keys) > self.max_finished
+                                      or next(iter(self._deleted_keys.values()))[2] + self.ttl_s <= now):
+            del self._deleted_keys[next(iter(self._deleted_keys))]  # oldest first (insertion order)
         finished = [j for j in self._jobs.values() if j.completed_at is not None]
         over = len(finished) - self.max_finished
         if over <= 0 and not any(j.completed_at + self.ttl_s <= now for j in finished):
