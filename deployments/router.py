@@ -59,8 +59,10 @@ CALLER_LEASE_S = 5.0
 # Longest wait for the controller's app status (Router._answer_queued_if_unservable).
 STATUS_TIMEOUT_S = 2.0
 STATUS_MIN_INTERVAL_S = 1.0  # the app's status is read at most this often
-# ditserve_batch_size's bucket edges (images): between whole sizes, so that sizes 1 and 2 have
-# buckets of their own and none sits on an edge (see the Histogram)
+# ditserve_batch_images' bucket edges (images): between whole sizes, so that sizes 1 and 2 have
+# buckets of their own and none sits on an edge (see the Histogram). A new name for new edges: Ray's
+# metrics agent keeps a histogram's first bounds per node and skips data points of others
+# (record_histogram_aggregated_batch), so the old ditserve_batch_size would vanish on a node that saw it
 BATCH_SIZE_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5]
 
 
@@ -152,7 +154,7 @@ class Router:
         # Ray rebuilds a histogram's _sum from its buckets' midpoints (OpenTelemetryMetricRecorder.
         # record_histogram_aggregated_batch): edges between whole sizes make batches of 1 and 2
         # exact (edges at 1, 2, 4 ... counted a batch of 1 as 0.5, of 2 as 1.5)
-        self._metric_batch_size = Histogram("ditserve_batch_size", "Images per dispatched batch",
+        self._metric_batch_size = Histogram("ditserve_batch_images", "Images per dispatched batch",
                                             boundaries=BATCH_SIZE_BUCKETS)
         self._metric_queue_wait = Histogram("ditserve_queue_wait_ms", "Time a request waited in its queue (ms)",
                                             boundaries=[1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000, 30000])

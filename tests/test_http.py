@@ -46,9 +46,10 @@ def test_image_is_a_png_of_the_requested_size(client):
     response = generate(client, seed=1, size="80x48")
     image = Image.open(io.BytesIO(png_of(response)))
     assert image.format == "PNG" and image.size == (80, 48) and image.mode == "RGB"
-    # OpenAI's ImagesResponse fields, as the streamed completed event carries them (they were None)
+    # OpenAI's ImagesResponse fields, as the streamed completed event carries them (they were None;
+    # its quality values are levels, none of which applies: left out)
     assert (response.size, response.output_format, response.quality, response.background) == (
-        "80x48", "png", "auto", "opaque")
+        "80x48", "png", None, "opaque")
     meta = response.model_extra["ditserve"]
     assert meta["batch_size"] >= 1 and meta["world_size"] == 1 and meta["seed"] == 1
     assert set(meta["timings_ms"]) == {"queue", "denoise", "decode", "total"}

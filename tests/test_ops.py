@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve` scripts
 # Ray's custom metrics from deployments/router.py (and the replica's LoRA loads), as the metrics export names them.
-METRICS = ("ditserve_queue_depth", "ditserve_batch_size", "ditserve_queue_wait_ms", "ditserve_routing_decisions",
+METRICS = ("ditserve_queue_depth", "ditserve_batch_images", "ditserve_queue_wait_ms", "ditserve_routing_decisions",
            "ditserve_rejections", "ditserve_lora_loads", "ditserve_cancelled_queued", "ditserve_batches",
            "ditserve_requests", "ditserve_state_changes")
 
@@ -226,8 +226,8 @@ def test_example_handle_client_runs(ops_cluster, client_run):
 # counters get ``_total``, histograms ``_bucket`` / ``_count`` / ``_sum``.
 EXPORTED = {
     "ditserve_queue_depth": ["ray_ditserve_queue_depth"],
-    "ditserve_batch_size": ["ray_ditserve_batch_size_bucket", "ray_ditserve_batch_size_count",
-                            "ray_ditserve_batch_size_sum"],
+    "ditserve_batch_images": ["ray_ditserve_batch_images_bucket", "ray_ditserve_batch_images_count",
+                              "ray_ditserve_batch_images_sum"],
     "ditserve_queue_wait_ms": ["ray_ditserve_queue_wait_ms_bucket", "ray_ditserve_queue_wait_ms_count",
                                "ray_ditserve_queue_wait_ms_sum"],
     "ditserve_routing_decisions": ["ray_ditserve_routing_decisions_total"],

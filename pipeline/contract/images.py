@@ -140,6 +140,5 @@ class ImageGenerationResponse(BaseModel):
     data: list[ImageData]
     output_format: str = "png"
     size: str | None = None  # "WIDTHxHEIGHT" (pixels) of every image, as OpenAI's ImagesResponse.size
-    quality: str = "auto"  # OpenAI's fields (its streamed events carry them too): no quality levels here
     background: str = "opaque"  # every image is opaque (no transparent background is made)
     ditserve: GenerationMetadata
