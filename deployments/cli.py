@@ -220,15 +220,17 @@ DELETE_MARGIN_S = 60.0  # waited beyond the replicas' grace for an application's
 
 
 def shutdown_grace_s(args: dict, deployments: list[dict] | None = None) -> float:
-    """The longest ``graceful_shutdown_timeout_s`` (s) of the app's deployments: DiTReplica's
-    from ``args`` (``replica``), a ``deployments`` entry's, Serve's default 20 s for the rest.
-    ``args`` were checked (:func:`checked_app`)."""
+    """The longest ``graceful_shutdown_timeout_s`` (s) the app's deployments run with: as
+    :func:`deployments.app.deployment_options` sets them (the Ingress outlasts DiTReplica and the
+    Router), or as a ``deployments`` entry gives one. ``args`` were checked (:func:`checked_app`)."""
+    from deployments.app import deployment_options
     from deployments.config import AppConfig
 
-    graces = [AppConfig.model_validate(args).replica.graceful_shutdown_timeout_s, 20.0]
-    graces += [float(entry["graceful_shutdown_timeout_s"]) for entry in deployments or ()
-               if entry.get("graceful_shutdown_timeout_s") is not None]
-    return max(graces)
+    graces = {name: options.get("graceful_shutdown_timeout_s", 20.0)  # 20 s: Serve's default
+              for name, options in deployment_options(AppConfig.model_validate(args)).items()}
+    graces.update({entry["name"]: float(entry["graceful_shutdown_timeout_s"]) for entry in deployments or ()
+                   if entry.get("graceful_shutdown_timeout_s") is not None})
+    return max(graces.values())
 
 
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
