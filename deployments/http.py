@@ -18,6 +18,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from ray.exceptions import ActorUnavailableError, ObjectRefStreamEndOfStreamError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 from python_multipart.multipart import parse_options_header
@@ -469,11 +470,9 @@ class BearerAuth:
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:
-        header = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
+        token = bearer_token(dict(scope.get("headers") or ()).get(b"authorization", b""))
+        if token is None:
             return False
-        token = token.strip()
         matched = False
         for key in keys:  # every key compared, each in constant time
             matched |= hmac.compare_digest(token, key)
@@ -483,21 +482,45 @@ class BearerAuth:
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 
 
-def idempotency(key: str | None, caller: str, body) -> tuple[str, str] | None:
-    """``(scoped key, fingerprint)`` of an ``Idempotency-Key`` (Stripe's and OpenAI's header for
-    a request safe to send again) given by ``caller`` (its ``Authorization`` header, or
-    ``"handle"``) for ``body`` (the request as sent: uploads by their SHA-256), or None without
-    a key. Keys of different callers never meet. Raises ``InvalidRequestError`` naming
-    ``Idempotency-Key`` for one that is not 1-255 printable ASCII characters."""
+def bearer_token(header: bytes) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case, the
+    token without surrounding spaces), or None for another scheme or none."""
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+def caller_scope(request: Request | None) -> str:
+    """Whose ``Idempotency-Key`` namespace a create is in: an HTTP caller's by the API key it
+    sends (as :class:`BearerAuth` reads it: ``Bearer sk-1`` and ``bearer  sk-1`` are one
+    caller; without keys configured, the token the client sends all the same, none: one
+    namespace), a handle caller's (``request`` None) apart from every HTTP one."""
+    if request is None:
+        return "handle"
+    token = bearer_token(request.headers.get("authorization", "").encode("latin-1"))
+    return "http" if token is None else "http:" + hashlib.sha256(token).hexdigest()
+
+
+def idempotency_scope(key: object, scope: str) -> str | None:
+    """``key`` (an ``Idempotency-Key``: Stripe's and OpenAI's header for a request safe to send
+    again) in the namespace ``scope`` (:func:`caller_scope`), or None without a key: keys of
+    different callers never meet. Raises ``InvalidRequestError`` naming ``Idempotency-Key``
+    for one that is not a string of 1-255 printable ASCII characters."""
     if key is None:
         return None
-    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not (key.isascii() and key.isprintable()):
-        raise InvalidRequestError(f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters, "
-                                  f"got {shown(key)}", param="Idempotency-Key", code="invalid_value")
-    scope = hashlib.sha256(caller.encode()).hexdigest()[:16]
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"),
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not (
+            key.isascii() and key.isprintable()):
+        raise InvalidRequestError(f"Idempotency-Key must be a string of 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII "
+                                  f"characters, got {shown(key)}", param="Idempotency-Key", code="invalid_value")
+    return f"{hashlib.sha256(scope.encode()).hexdigest()[:16]}:{key}"
+
+
+def request_fingerprint(request: BaseModel) -> str:
+    """SHA-256 of a validated request's fields, defaults included (uploads by their own
+    SHA-256): two bodies that mean the same request (a field left out or given as ``null``, a
+    dict or the model) have the same fingerprint, so the same ``Idempotency-Key`` finds its job."""
+    text = json.dumps(request.model_dump(), sort_keys=True, separators=(",", ":"),
                       default=lambda v: hashlib.sha256(v).hexdigest() if isinstance(v, bytes) else repr(v))
-    return f"{scope}:{key}", hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def key_default_priority(body, request):

@@ -24,9 +24,9 @@ from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
 from deployments.config import AccelerationConfig, admission_limit_of, ingress_update, lora_registry
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
-from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, idempotency, install_error_handlers,
-                              json_body, json_or_form_body, key_default_priority, load_api_keys, query_params,
-                              request_body)
+from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, caller_scope, idempotency_scope,
+                              install_error_handlers, json_body, json_or_form_body, key_default_priority,
+                              load_api_keys, query_params, request_body, request_fingerprint)
 from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -134,6 +134,15 @@ def body_of(request, fields: dict):
         raise InvalidRequestError(f"give the request as one dict or as keyword fields, not both (keywords: "
                                   f"{', '.join(sorted(map(str, fields)))})", code="invalid_value")
     return fields
+
+
+def checked_video_id(video_id: object) -> str:
+    """``video_id`` as given (a handle call may pass anything). Raises ``InvalidRequestError``
+    naming ``video_id`` for one that is not a string (a list was a 500: the job store's key)."""
+    if not isinstance(video_id, str):
+        raise InvalidRequestError(f"video_id must be a string, a job's id as videos.create returned it (video_...), "
+                                  f"got {shown(video_id)}", param="video_id", code="invalid_value")
+    return video_id
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
@@ -404,19 +413,20 @@ class Ingress:
         Raises ``InvalidRequestError`` (every problem listed; a key used for another request),
         ``ModelNotFoundError``, ``OverloadedError`` or ``ServiceUnavailableError``.
         """
-        body = body_of(request, fields)
-        key = idempotency(idempotency_key, "handle", body.model_dump() if hasattr(body, "model_dump") else body)
-        return await self._submit_video(body, key)
+        key = idempotency_scope(idempotency_key, caller_scope(None))
+        return await self._submit_video(body_of(request, fields), key)
 
-    async def _submit_video(self, body, key: tuple[str, str] | None) -> VideoJob:
+    async def _submit_video(self, body, key: str | None) -> VideoJob:
+        """``key``: the scoped ``Idempotency-Key`` (:func:`deployments.http.idempotency_scope`)."""
         limits = await self._serving_limits()
         validated = validate_video_request(body, limits)
+        idempotency = None if key is None else (key, request_fingerprint(validated))
         if validated.input_reference is not None:  # decoded off the event loop (Pillow)
             params = await asyncio.to_thread(resolve_video, validated, limits, self._defaults)
         else:
             params = resolve_video(validated, limits, self._defaults)
         self._started()
-        return await self._call(self._router.create_job, params, key)
+        return await self._call(self._router.create_job, params, idempotency)
 
     async def list_videos(self, limit: int | None = None, after: str | None = None,
                           order: ListOrder | str | None = None) -> VideoList:
@@ -428,21 +438,24 @@ class Ingress:
         return await self._call(self._router.list_jobs, count, after, order)
 
     async def video_status(self, video_id: str) -> VideoJob:
-        """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404)."""
-        return await self._call(self._router.get_job, video_id)
+        """The job (``status``, ``progress`` 0–100, ...). Raises ``NotFoundError`` (404), or
+        ``InvalidRequestError`` for a ``video_id`` that is not a string."""
+        return await self._call(self._router.get_job, checked_video_id(video_id))
 
     async def video_content(self, video_id: str, variant: str = "video") -> bytes:
         """The finished job's MP4 (``variant`` ``video``) or its thumbnail, the first frame as WebP
         (``thumbnail``, OpenAI's variant name). Raises ``NotFoundError``, or
-        ``InvalidRequestError`` (not completed, or another variant)."""
+        ``InvalidRequestError`` (not completed, another variant, a ``video_id`` not a string)."""
+        checked_video_id(video_id)
         if not isinstance(variant, str) or variant not in VIDEO_VARIANTS:  # a handle call may pass anything
             raise InvalidRequestError(f"variant must be one of {', '.join(VIDEO_VARIANTS)} (the assets served), got "
                                       f"{shown(variant)}", param="variant", code="invalid_value")
         return await self._call(self._router.job_content, video_id, variant)
 
     async def delete_video(self, video_id: str) -> dict:
-        """Delete (and cancel) a job. Raises ``NotFoundError``."""
-        return await self._call(self._router.delete_job, video_id)
+        """Delete (and cancel) a job. Raises ``NotFoundError``, or ``InvalidRequestError`` for a
+        ``video_id`` that is not a string."""
+        return await self._call(self._router.delete_job, checked_video_id(video_id))
 
     @staticmethod
     async def _call(method, *args):
@@ -490,7 +503,7 @@ class Ingress:
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True), dependencies=NO_QUERY)
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
-        key = idempotency(request.headers.get("idempotency-key"), request.headers.get("authorization", ""), body)
+        key = idempotency_scope(request.headers.get("idempotency-key"), caller_scope(request))
         return (await self._submit_video(key_default_priority(body, request), key)).model_dump()
 
     @api.get("/v1/videos", openapi_extra={"parameters": LIST_QUERY})

@@ -16,7 +16,8 @@ environment; ``--address auto`` on the cluster's machine finds both.
 
 It connects with ``ray.init(address=...)``, waits until the application is RUNNING, takes the application's handle with
 ``serve.get_app_handle("ditserve")`` and sends ``--count`` requests at once (``.remote()``
-returns immediately; ``.result()`` waits), writes each request's PNG, then sends an invalid
+returns immediately; ``.result(timeout_s=...)`` waits, and cancels the call past ``--timeout-s``),
+writes each request's PNG, then sends an invalid
 request to show the typed error the handle raises (``pipeline.errors.InvalidRequestError``,
 with the same ``status_code`` / ``param`` / ``message`` the HTTP API returns).
 
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT in pixels")
     parser.add_argument("-o", "--output", type=Path, default=Path("out.png"))
     parser.add_argument("--wait-s", type=float, default=600, help="how long to wait for the app to be RUNNING")
+    parser.add_argument("--timeout-s", type=float, default=300,
+                        help="how long to wait for each answer (default: 300); then the call is cancelled")
     args = parser.parse_args(argv)
 
     ray.init(address=args.address, log_to_driver=False)
@@ -95,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     responses = [handle.generate.remote(body) for body in requests]  # all in flight at once
     for path, response in zip(output_paths(args.output, args.count), responses):
         try:
-            result = response.result()
+            result = response.result(timeout_s=args.timeout_s)
+        except TimeoutError:  # a call sent while the app is deleted may never be answered (README)
+            response.cancel()  # the server drops the request (queued) or its rows (running)
+            print(f"no answer within {args.timeout_s:g} s: cancelled")
+            continue
         except DitServeError as exc:  # e.g. OverloadedError when the router's queue is full
             print(f"{error_name(exc)} ({exc.status_code}): {exc.message}")
             continue
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # An invalid request raises a typed error on the caller's side; the server keeps serving.
     try:
-        handle.generate.remote({"prompt": "", "num_inference_steps": 0}).result()
+        handle.generate.remote({"prompt": "", "num_inference_steps": 0}).result(timeout_s=args.timeout_s)
     except InvalidRequestError as exc:
         print(f"invalid request -> {error_name(exc)} ({exc.status_code}, param={exc.param}): {exc.message}")
         print(json.dumps(exc.to_envelope()))

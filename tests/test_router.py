@@ -462,7 +462,7 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
     file's ``deployments`` section raises counts too (args said 1: the limit stayed at 1's)."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
            "acceleration": {"cfg_gate_step": 0.5}}
-    small = {**one, "batching": {**one["batching"], "max_batch_size": 1}}
+    small = {**one, "batching": {**one["batching"], "max_batch_size": 1, "max_batch_cost": 64 * 64}}
     if "ditserve" in serve.status().applications:  # start from nothing, as `serve deploy FILE` would
         serve.delete("ditserve")
     url = ray_cluster["url"]
@@ -483,7 +483,11 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         over = post(url, {"prompt": "two", "seed": 1, "n": 2, **FAST})
         assert over.status_code == 400 and over.json()["error"]["param"] == "n", over.text
         assert "batching.max_batch_size is 1" in over.json()["error"]["message"]
-        assert stats(url)["counters"]["rejected_exceeds_batch"] >= 1
+        # and one past max_batch_cost (pixels x frames x n): a 128x128 image is 4 batches' worth
+        wide = post(url, {"prompt": "wide", "seed": 1, **FAST, "size": "128x128"})
+        assert wide.status_code == 400 and wide.json()["error"]["param"] == "size", wide.text
+        assert "batching.max_batch_cost 4096" in wide.json()["error"]["message"]
+        assert stats(url)["counters"]["rejected_exceeds_batch"] == 2
         ingress_replica = admission()["replica"]
         replicas_before = set(stats(url)["replicas"])
         _deploy_config(one, {**one["batching"], "max_batch_size": 8})  # args unchanged: a user_config update

@@ -158,7 +158,13 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
     other = send({**body, "prompt": "another"}, "k-1")
     assert other.status_code == 400 and other.json()["error"]["code"] == "idempotency_key_reused"
     assert other.json()["error"]["param"] == "Idempotency-Key"
-    assert send(body, "k-1", auth="Bearer someone-else").json()["id"] != first["id"]  # keys are per caller
+    # the same request however written: a default as null, a field in extra_body (helper-31's review)
+    assert send({**body, "negative_prompt": None}, "k-1").json()["id"] == first["id"]
+    assert send({k: v for k, v in body.items() if k != "seed"} | {"extra_body": {"seed": 1}}, "k-1").json()["id"] == \
+        first["id"]
+    elsewhere = send(body, "k-1", auth="Bearer someone-else").json()["id"]
+    assert elsewhere != first["id"]  # keys are per caller: per API key, as the server reads it
+    assert send(body, "k-1", auth="bearer   someone-else").json()["id"] == elsewhere
     for bad in ("", "x" * 256, "caf\u00e9"):
         r = httpx.post(f"{url}/v1/videos", json=body, timeout=30, headers={"Idempotency-Key": bad.encode("utf-8")})
         assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", bad
@@ -166,6 +172,18 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
     by_handle = handle.submit_video.remote(body, idempotency_key="k-1").result()
     assert by_handle.id != first["id"]  # the handle is another caller than HTTP
     assert handle.submit_video.remote(body, idempotency_key="k-1").result().id == by_handle.id
+    # no header reaches the handle's keys: one that is no bearer token is no key, as none was sent
+    assert send(body, "k-1", auth="handle").json()["id"] == first["id"]
+    # a handle call's values of any type are a 400 naming the field (a list as video_id was a 500, a
+    # number as the key a TypeError; helper-31's review)
+    for call, field in ((lambda: handle.submit_video.remote(body, idempotency_key=123), "Idempotency-Key"),
+                        (lambda: handle.submit_video.remote({"prompt": "x", 1: 2}, idempotency_key="k-2"), None),
+                        (lambda: handle.video_status.remote(["a"]), "video_id"),
+                        (lambda: handle.video_content.remote({"a": 1}), "video_id"),
+                        (lambda: handle.delete_video.remote(None), "video_id")):
+        with pytest.raises(InvalidRequestError) as info:
+            call().result()
+        assert info.value.status_code == 400 and (field is None or info.value.param == field), info.value
     assert httpx.delete(f"{url}/v1/videos/{first['id']}", timeout=30).status_code == 200
     # deleted, the key stays bound to it: a create still on its way (the CLI sends the create again on
     # Ctrl-C and deletes what it finds) does not make the job again (helper-30's review)
