@@ -2,8 +2,9 @@
 
 Starts a local Ray cluster, deploys a Serve config file (default ``configs/tiny-cpu.yaml``), sends
 one image request so every process has done its work once, then reads each process's resident set
-size (RSS, MiB) and its memory map (``/proc/PID/maps``: is ``libtorch`` mapped?) by the process
-title Ray gives actors (``ray::ServeReplica:APP:DEPLOYMENT``). Linux only.
+size (RSS, MiB) and its memory map (``/proc/PID/maps``: is ``libtorch`` mapped?), each of this
+cluster's Serve actors by the process title Ray gives it (``ray::ServeReplica:APP:DEPLOYMENT``).
+Linux only.
 
     .venv/bin/python bench/footprint.py [--config configs/tiny-cpu.yaml]
 """
@@ -23,20 +24,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments.cli import load_serve_config  # noqa: E402
 from bench import local_serve  # noqa: E402
 
+SERVE_NAMESPACE = "serve"  # where Ray Serve names its controller, proxies and replicas
+
 
 def serve_processes() -> dict[str, int]:
-    """``{process title: pid}`` of Ray Serve's actors on this machine (``/proc`` cmdlines)."""
+    """``{process title: pid}`` of this Ray cluster's Serve actors (controller, proxies,
+    replicas): the named actors of Serve's namespace, each asked its pid, titled as Ray titles
+    its process (``ServeReplica:APP:DEPLOYMENT``, from ``/proc/PID/cmdline``). Other clusters on
+    the machine run processes of the same titles: a scan of ``/proc`` alone could read theirs."""
+    import ray
+
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for named in ray.util.list_named_actors(all_namespaces=True):
+        if named["namespace"] != SERVE_NAMESPACE:
             continue
+        actor = ray.get_actor(named["name"], namespace=named["namespace"])
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
+            pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (ray.exceptions.RayError, OSError):  # gone meanwhile, or on another node
             continue
-        if cmdline.startswith("ray::Serve"):
-            # the title, without the method a worker runs now (ray::ServeController.listen_for_change)
-            found[cmdline.split(" ")[0].removeprefix("ray::").split(".")[0]] = int(entry)
+        # the title, without the method a worker runs now (ray::ServeController.listen_for_change)
+        found[cmdline.split(" ")[0].removeprefix("ray::").split(".")[0]] = pid
     return found
 
 

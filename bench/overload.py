@@ -3,7 +3,8 @@
 1. Capacity: the app's throughput (requests/s) with full batches, measured with a closed loop.
 2. Burst: an open-loop client sends requests at ``--factor`` x capacity for ``--seconds``; the
    Router's queue fills to ``max_queued_requests`` and later requests must be refused at once
-   (429, or 503) while every accepted one is answered 200.
+   (429, or 503, each with the envelope's code ``overloaded``) while every accepted one is
+   answered 200 (any other answer, a 503 ``unavailable`` too, is an accepted request failed).
 3. Memory: resident set size of every Serve process before, at the peak, and after the burst.
 
 Printed: the offered rate, answers by status, refusal latency p50 / p99, accepted answered,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import threading
@@ -65,8 +67,12 @@ def capacity(url: str, clients: int, seconds: float) -> float:
     return sum(start <= t <= start + seconds for t in done) / seconds
 
 
-async def burst(url: str, rate: float, seconds: float) -> list[tuple[object, float, bool]]:
-    """Open loop: one request every 1/rate s for ``seconds``; (status, latency s, envelope?) each.
+REFUSAL_CODE = "overloaded"  # the envelope's code of a refusal (the proxy's, the Ingress's, the Router's)
+
+
+async def burst(url: str, rate: float, seconds: float) -> list[tuple[object, float, bool, str | None]]:
+    """Open loop: one request every 1/rate s for ``seconds``; (status, latency s, envelope?,
+    the envelope's error code or None) each.
 
     aiohttp (C-accelerated, already a Ray Serve dependency) so the load generator keeps its
     schedule on a 2-core machine; the send lag it reports shows whether it did.
@@ -82,10 +88,16 @@ async def burst(url: str, rate: float, seconds: float) -> list[tuple[object, flo
             try:
                 async with http.post(url, json={**BODY, "seed": i}) as r:
                     body = await r.read()
+                    code = None
+                    if r.status != 200:
+                        try:
+                            code = json.loads(body)["error"]["code"]
+                        except (ValueError, KeyError, TypeError):
+                            pass
                     envelope = r.status == 200 or b'"error"' in body[:64]
-                    results.append((r.status, time.monotonic() - started, envelope))
+                    results.append((r.status, time.monotonic() - started, envelope, code))
             except Exception as exc:  # noqa: BLE001 - no answer at all
-                results.append((type(exc).__name__, time.monotonic() - started, False))
+                results.append((type(exc).__name__, time.monotonic() - started, False, None))
 
         tasks, start, n = [], time.monotonic(), int(rate * seconds)
         for i in range(n):
@@ -116,13 +128,14 @@ def main() -> int:
         max_batch = batching.get("max_batch_size", 8)
         served = capacity(url, clients=2 * max_batch, seconds=6.0)
         time.sleep(1.0)
-        baseline = {title: rss_mib(pid) for title, pid in serve_processes().items()}
+        processes = serve_processes()  # this cluster's, found once: the replicas stay up
+        baseline = {title: rss_mib(pid) for title, pid in processes.items()}
         peak = dict(baseline)
         sampling = threading.Event()
 
         def sample() -> None:
             while not sampling.is_set():
-                for title, pid in serve_processes().items():
+                for title, pid in processes.items():
                     try:
                         peak[title] = max(peak.get(title, 0.0), rss_mib(pid))
                     except OSError:
@@ -136,21 +149,22 @@ def main() -> int:
         sampling.set()
         sampler.join()
         time.sleep(12.0)  # the routing processes give memory back once idle (deployments/memory.py)
-        after = {title: rss_mib(pid) for title, pid in serve_processes().items()}
+        after = {title: rss_mib(pid) for title, pid in processes.items()}
 
-    statuses = Counter(str(s) for s, _, _ in results)
-    refused = [lat * 1e3 for s, lat, _ in results if s in (429, 503)]
-    accepted_ok = all(s in (200, 429, 503) for s, _, _ in results)
+    statuses = Counter(f"{s} {c}" if c else str(s) for s, _, _, c in results)
+    refusal = lambda s, c: s in (429, 503) and c == REFUSAL_CODE  # noqa: E731
+    refused = [lat * 1e3 for s, lat, _, c in results if refusal(s, c)]
+    accepted_ok = all(s == 200 or refusal(s, c) for s, _, _, c in results)
     p50, p99 = percentile(refused, 0.5), percentile(refused, 0.99)
-    ok_latency = [lat for s, lat, _ in results if s == 200]
+    ok_latency = [lat for s, lat, _, _ in results if s == 200]
     print(f"{ns.config}: capacity {served:.1f} requests/s (closed loop, {2 * max_batch} clients, full batches of "
           f"{max_batch}); burst {ns.factor:g}x = {rate:.1f} requests/s for {ns.seconds:g} s, open loop")
-    print(f"answers: {dict(sorted(statuses.items()))}; not an envelope: {sum(not e for _, _, e in results)}")
+    print(f"answers: {dict(sorted(statuses.items()))}; not an envelope: {sum(not e for _, _, e, _ in results)}")
     for status in (429, 503):
-        part = [lat * 1e3 for s, lat, _ in results if s == status]
+        part = [lat * 1e3 for s, lat, _, c in results if s == status and c == REFUSAL_CODE]
         if part:
             print(f"  {status}: n={len(part)} p50 {percentile(part, 0.5):.1f} ms p99 {percentile(part, 0.99):.1f} ms")
-    print(f"refusals (429/503): p50 {p50:.1f} ms, p99 {p99:.1f} ms   accepted (200): p50 "
+    print(f"refusals (429/503 {REFUSAL_CODE}): p50 {p50:.1f} ms, p99 {p99:.1f} ms   accepted (200): p50 "
           f"{statistics.median(ok_latency) if ok_latency else float('nan'):.2f} s")
     print(f"{'process':44s} {'base MiB':>9s} {'peak MiB':>9s} {'after MiB':>9s}")
     mem_ok = True

@@ -470,7 +470,7 @@ class BearerAuth:
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:
-        token = bearer_token(dict(scope.get("headers") or ()).get(b"authorization", b""))
+        token = bearer_token(scope)
         if token is None:
             return False
         matched = False
@@ -482,21 +482,23 @@ class BearerAuth:
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 
 
-def bearer_token(header: bytes) -> bytes | None:
-    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case, the
-    token without surrounding spaces), or None for another scheme or none."""
-    scheme, _, token = header.partition(b" ")
-    return token.strip() if scheme.lower() == b"bearer" else None
+def bearer_token(scope) -> bytes | None:
+    """The token of an ASGI request ``scope``'s ``Authorization: Bearer <token>`` header (the
+    scheme in any case, the token without surrounding spaces; of several such headers the last,
+    for the key check and the key's namespace alike), or None for another scheme, an empty
+    token or none."""
+    scheme, _, token = dict(scope.get("headers") or ()).get(b"authorization", b"").partition(b" ")
+    return (token.strip() or None) if scheme.lower() == b"bearer" else None
 
 
 def caller_scope(request: Request | None) -> str:
     """Whose ``Idempotency-Key`` namespace a create is in: an HTTP caller's by the API key it
-    sends (as :class:`BearerAuth` reads it: ``Bearer sk-1`` and ``bearer  sk-1`` are one
-    caller; without keys configured, the token the client sends all the same, none: one
-    namespace), a handle caller's (``request`` None) apart from every HTTP one."""
+    sends (:func:`bearer_token`, as :class:`BearerAuth` reads it: ``Bearer sk-1`` and
+    ``bearer  sk-1`` are one caller; without keys configured, the token the client sends all the
+    same, none or an empty one: one namespace), a handle caller's (``request`` None) apart from every HTTP one."""
     if request is None:
         return "handle"
-    token = bearer_token(request.headers.get("authorization", "").encode("latin-1"))
+    token = bearer_token(request.scope)
     return "http" if token is None else "http:" + hashlib.sha256(token).hexdigest()
 
 

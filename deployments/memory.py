@@ -11,20 +11,25 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import gc
 import time
 
 IDLE_S = 5.0  # quiet this long after work before trimming
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (looked up once: ``find_library`` runs ``ldconfig``)."""
+    libc_name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
+
+
 def release_free_memory() -> None:
     """Collect garbage, then return the allocator's free memory to the OS where glibc allows."""
     gc.collect()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        libc = ctypes.CDLL(libc_name)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 class IdleTrimmer:

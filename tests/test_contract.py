@@ -74,6 +74,15 @@ def test_every_problem_is_listed_at_once():
         assert part in err.message
 
 
+def test_field_names_that_are_not_strings_are_named():
+    """A handle call's dict may have any keys: a 400 naming ``body`` (a tuple key was named as the
+    field, a number one an error deep in validation; helper-33's review)."""
+    for key in (1, ("a",), 0, None):
+        with pytest.raises(InvalidRequestError, match="field names are strings") as info:
+            validate_image_request({"prompt": "x", key: 2}, LIMITS)
+        assert info.value.param == "body"
+
+
 def test_unknown_model_is_404():
     with pytest.raises(ModelNotFoundError) as info:
         validate_image_request({"prompt": "a", "model": "flux-pro"}, LIMITS)

@@ -191,6 +191,26 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
     assert late.status_code == 400 and late.json()["error"]["code"] == "idempotency_key_deleted", late.text
 
 
+def test_a_keys_namespace_is_the_api_key_the_auth_check_reads():
+    """``caller_scope`` reads ``Authorization`` as ``BearerAuth`` does (helper-33's review: with two
+    headers the key check took the last, the namespace the first, so a request authenticated as
+    one key reached another key's jobs)."""
+    from starlette.requests import Request
+
+    from deployments.http import bearer_token, caller_scope
+
+    def scope(*values: bytes) -> dict:
+        return {"type": "http", "headers": [(b"authorization", v) for v in values]}
+
+    assert caller_scope(Request(scope(b"Bearer sk-b", b"Bearer sk-a"))) == caller_scope(Request(scope(b"Bearer sk-a")))
+    assert bearer_token(scope(b"Bearer sk-b", b"Bearer sk-a")) == b"sk-a"
+    assert caller_scope(Request(scope(b"Basic x", b"bearer   sk-b"))) == caller_scope(Request(scope(b"Bearer sk-b")))
+    anonymous = {caller_scope(Request(scope(*h))) for h in ((), (b"Basic x",), (b"Bearer",), (b"Bearer   ",))}
+    assert anonymous == {"http"}  # no key sent, whichever way: one namespace
+    assert "handle" not in {caller_scope(Request(scope(v))) for v in (b"handle", b"Bearer handle")}
+    assert caller_scope(Request(scope(b"Bearer \xff\xfe"))).startswith("http:")  # any bytes
+
+
 def test_job_store_forgets_a_key_with_its_job():
     now = [0.0]
     store = JobStore(ttl_s=10, max_finished=1, clock=lambda: now[0])

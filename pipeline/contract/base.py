@@ -395,6 +395,10 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         body = body.model_dump(exclude_unset=True)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param="body", code="invalid_value")
+    odd = [key for key in body if not isinstance(key, str)]  # a handle call's dict may hold any
+    if odd:
+        raise InvalidRequestError(f"request field names are strings, got {shown(odd[0])}", param="body",
+                                  code="invalid_value")
     check_shape(body, limits)
     model_adapter(body.get("model"), limits)  # 404 before any 400: the model is checked first
     try:
