@@ -140,6 +140,25 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     return bind_app(args)
 
 
+MAX_ONGOING_REQUESTS = 2**31 - 1  # Serve keeps max_ongoing_requests as a 32-bit integer
+
+
+def check_replicas_come_back(options: dict) -> None:
+    """Raise ``ValueError`` for DiTReplica Serve ``options`` that may scale it to zero
+    (``autoscaling_config.min_replicas`` 0, as a ``deployments`` entry may give it; ``args``
+    refuse it): the Router sends nothing while no replica exists, so Serve would see no demand
+    and never start one again; every request would wait for its ``timeout_s``."""
+    autoscaling = options.get("autoscaling_config")
+    if autoscaling is None:
+        return
+    least = (autoscaling.get("min_replicas", 1) if isinstance(autoscaling, dict)
+             else getattr(autoscaling, "min_replicas", 1))
+    if least is not None and least < 1:
+        raise ValueError(f"deployments: DiTReplica's autoscaling_config.min_replicas must be at least 1, got {least}: "
+                         "the Router holds requests until a replica exists, so Serve would see no demand and never "
+                         "scale up from zero")
+
+
 def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict:
     """``entry`` with a DiTReplica ``autoscaling_config`` that names no ``policy`` given the
     Router-queue one (``RouterQueuePolicy``: its ``target_queued_per_replica``, else ``args``',
@@ -247,7 +266,13 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
         initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
     except ValidationError as exc:
         raise ValueError(f"deployments: DiTReplica's autoscaling_config: {validation_line(exc)}") from None
+    check_replicas_come_back(options["DiTReplica"])
     limit = admission_limit_of(config.batching.max_queued_requests, config.batching.max_batch_size, most_replicas)
+    if limit + INGRESS_SPARE_SLOTS > MAX_ONGOING_REQUESTS:
+        raise ValueError(f"the admission limit, batching.max_queued_requests {config.batching.max_queued_requests} + "
+                         f"batching.max_batch_size {config.batching.max_batch_size} x {most_replicas} DiTReplicas at "
+                         f"most (num_replicas / autoscaling max_replicas), is {limit}: more requests than Serve's "
+                         f"max_ongoing_requests holds ({MAX_ONGOING_REQUESTS}); give fewer replicas or a smaller batch")
     given = {key for entry in deployments or () if entry["name"] == "Ingress" for key in entry}
     # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values
     # stand, and its max_ongoing_requests (a limit raised live, README) sizes the queue at its door

@@ -101,6 +101,8 @@ def load_serve_config(path: str | Path) -> dict:
     except (AttributeError, TypeError, ValueError) as exc:  # Serve's own validators, given a null or a list
         raise CannotStart(f"{path}: not a Serve config ({type(exc).__name__}: {_first_line(exc)}); "
                           "an entry may be null or of the wrong type") from None
+    except ImportError as exc:  # Serve imports an autoscaling_config's policy as it reads the file
+        raise CannotStart(f"{path}: {_import_problem(exc)}") from None
     # target_queued_per_replica: ditserve's own autoscaling field (bind_app makes it the policy's)
     unknown = [key for key in unknown_keys(raw, ServeDeploySchema)
                if not re.fullmatch(r"applications\[\d+\]\.deployments\[\d+\]\.autoscaling_config\."
@@ -190,8 +192,12 @@ def _port_free(host: str, port: int) -> None:
     long traceback, or bind beside a server on every interface). Raises :class:`CannotStart`."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as Serve's proxy binds (uvicorn, asyncio: SO_REUSEADDR): a connection of a server that
+        # just stopped, left in TIME-WAIT, does not hold the port; a listener still does
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
+            probe.listen(1)
         except OSError as exc:
             raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
 
@@ -214,6 +220,14 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
     except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
+    except ImportError as exc:  # an autoscaling_config policy (or another import path) Serve cannot import
+        raise CannotStart(f"bad config: {_import_problem(exc)}") from None
+
+
+def _import_problem(exc: ImportError) -> str:
+    """An import path of the config that does not import, in words."""
+    return (f"cannot import {exc.name or 'a module'} ({_first_line(exc)}), named by an import path in the config "
+            "(an autoscaling_config policy's policy_function?)")
 
 
 DELETE_MARGIN_S = 60.0  # waited beyond the replicas' grace for an application's deletion

@@ -174,6 +174,22 @@ class LimitsConfig(_Strict):
         parse_size(v)
         return v
 
+    @model_validator(mode="after")
+    def _defaults_within_limits(self):
+        """A default past its own limit ran for every request that left the field out (a request
+        giving the same value is a 400). Raises ``ValueError`` naming both fields. (Frames and
+        sizes' multiples depend on the model: a video model checks ``default_num_frames``
+        against ``max_frames`` at startup, see ``pipeline.wire.ModelFacts.limits``.)"""
+        width, height = parse_size(self.default_size)
+        problems = [f"default_steps {self.default_steps} > max_steps {self.max_steps}"
+                    if self.default_steps > self.max_steps else None,
+                    f"default_size {self.default_size} is {width * height} pixels > max_pixels {self.max_pixels}"
+                    if width * height > self.max_pixels else None]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError(f"{'; '.join(problems)}: a default must be a value a request may give")
+        return self
+
 
 class BatchingConfig(_Strict):
     """Router knobs.
@@ -400,6 +416,9 @@ def queued_batch_limit(max_queued_requests: int, max_queued_batch_requests: int 
     return max(1, max_queued_requests * 3 // 4)
 
 
+MAX_WORLD_SIZE = 1024  # ranks of one replica: 128 nodes of 8 GPUs (the largest layout here uses 8)
+
+
 class ParallelSettings(_Strict):
     """Parallelism of one replica: ``world_size = cfg_degree × ulysses_degree × ring_degree``
     ranks, a (cfg × ring × ulysses) device mesh (``parallel.config.ParallelConfig``).
@@ -430,6 +449,10 @@ class ParallelSettings(_Strict):
     def _layout(self):
         """Layouts no model could run (the model's own limits, e.g. heads, are checked where
         the replica starts). Raises ``ValueError`` naming the fields."""
+        ranks = self.cfg_degree * self.ulysses_degree * self.ring_degree
+        if ranks > MAX_WORLD_SIZE:  # each rank is a placement group bundle, listed before Serve sees it
+            raise ValueError(f"world_size = cfg_degree x ulysses_degree x ring_degree = {ranks}: at most "
+                             f"{MAX_WORLD_SIZE} ranks (GPUs) per replica")
         problems = [p for p in self.layout().startup_problems(num_heads=self.ulysses_degree)]
         if problems:
             raise ValueError("; ".join(problems))

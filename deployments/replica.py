@@ -89,6 +89,31 @@ def default_params(model_name: str, acceleration: dict, limits: dict, facts: Mod
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 
+def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
+    """Raise ``ValueError`` naming ``limits.<field>`` when a request giving the server's defaults
+    (``default_size``, ``default_steps``, a video's ``default_num_frames``) would be refused: a
+    default off the model's grid (``60x64`` where sizes are multiples of 8), or past a limit,
+    ran for every request that left the field out."""
+    from deployments.config import LimitsConfig
+    from pipeline.contract.images import validate_image_request
+    from pipeline.contract.videos import validate_video_request
+
+    if facts.requires_image:  # an edit's size comes from its image
+        return
+    config = LimitsConfig.model_validate(limits)
+    serving = facts.limits(model_name, config.model_dump())
+    body = {"prompt": "defaults", "size": config.default_size, "num_inference_steps": config.default_steps}
+    field = {"size": "default_size", "num_inference_steps": "default_steps", "num_frames": "default_num_frames"}
+    try:
+        if facts.temporal_factor:
+            validate_video_request({**body, "num_frames": config.default_num_frames}, serving)
+        else:
+            validate_image_request(body, serving)
+    except InvalidRequestError as exc:
+        raise ValueError(f"limits.{field.get(exc.param, exc.param)}: the default is a value no request may give "
+                         f"to model {model_name!r}: {exc.message}") from None
+
+
 def log_to_serve() -> None:
     """Send the ``ditserve`` loggers' INFO records (the runner's state actions) to this Serve
     replica's log, through Serve's own handlers."""
@@ -145,6 +170,7 @@ class DiTReplica:
         if self._ranks is not None:
             self._ranks.join(self._runner, self._compute)
         self._parameter_bytes = self._ranks.parameter_bytes if self._ranks else [self._runner.parameter_bytes()]
+        check_defaults(model["name"], limits or {}, self._runner.facts())
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())

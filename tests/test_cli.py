@@ -486,6 +486,22 @@ def test_serve_refuses_a_taken_port_and_an_address_nothing_answers_at_in_one_lin
         taken.listen()
         port = taken.getsockname()[1]
         assert f"cannot listen on 127.0.0.1:{port}" in _serve_fails("--port", str(port))
+    # a server that just stopped leaves its connections in TIME-WAIT: the port is free to Serve's
+    # proxy (it binds with SO_REUSEADDR) and was refused for a minute or two (helper-32's review)
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: TIME-WAIT is on the server's port
+    try:
+        from deployments.cli import _port_free
+
+        _port_free("127.0.0.1", port)
+    finally:
+        client.close()
     nowhere = f"127.0.0.1:{free_port('127.0.0.1')}"
     assert f"no Ray cluster answers at {nowhere}" in _serve_fails("--address", nowhere)
     said = _serve_fails("--address", "http://127.0.0.1:8265")  # the dashboard's URL, as job submission takes
@@ -665,6 +681,24 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a.update(deployments=[{"name": "DiTReplica",
                                          "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}]),
      "error: bad config: deployments: DiTReplica's autoscaling_config: "),
+    # helper-32's review: each passed --check; scaled to zero, no replica ever came back (requests hung)
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {
+        "min_replicas": 0, "initial_replicas": 1, "max_replicas": 2}}]),
+     "DiTReplica's autoscaling_config.min_replicas must be at least 1, got 0"),
+    # a traceback ending in ModuleNotFoundError
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {
+        "max_replicas": 2, "policy": {"policy_function": "nope.nope:f"}}}]), "cannot import nope (No module named 'nope'), named by an import path"),
+    # a MemoryError (a list of 2**60 bundles)
+    (lambda c, a: a["args"].update(parallel={"ulysses_degree": 2**30, "ring_degree": 2**30}),
+     "world_size = cfg_degree x ulysses_degree x ring_degree = 1152921504606846976: at most 1024"),
+    # Serve refused "Value out of range: 2400000260", naming nothing
+    (lambda c, a: (a["args"]["replica"].pop("num_replicas"),
+                   a["args"]["replica"].update(autoscaling={"min_replicas": 1, "max_replicas": 300_000_000})),
+     "more requests than Serve's max_ongoing_requests holds (2147483647)"),
+    # defaults past their limits ran for every request that left the field out
+    (lambda c, a: a["args"].update(limits={"default_steps": 150}), "default_steps 150 > max_steps 100"),
+    (lambda c, a: a["args"].update(limits={"default_size": "512x512", "max_pixels": 4096}),
+     "default_size 512x512 is 262144 pixels > max_pixels 4096"),
 ])
 def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
     """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the

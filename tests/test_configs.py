@@ -88,3 +88,20 @@ def test_a_deployments_entry_replica_count_sizes_admission(args, deployments, mo
     assert (kept.max_ongoing_requests, kept.max_queued_requests) == (77, 77)
     kept = bind_app(args, [*deployments, {"name": "Ingress", "max_queued_requests": 5}])._bound_deployment
     assert (kept.max_ongoing_requests, kept.max_queued_requests) == (limit + 4, 5)
+
+
+def test_a_default_no_request_may_give_fails_the_replicas_start():
+    """A default off the model's grid ran for every request that left the field out, while a
+    request giving it was a 400 (helper-32's review: ``default_size: 60x64`` made 60x64 images):
+    the replica refuses to start, naming the limit."""
+    from deployments.replica import check_defaults
+    from pipeline.runner import BatchRunner
+
+    image = BatchRunner("tiny-flux").facts()
+    check_defaults("tiny-flux", {}, image)  # the shipped defaults pass
+    with pytest.raises(ValueError, match=r"^limits\.default_size: .*multiples of 8"):
+        check_defaults("tiny-flux", {"default_size": "60x64"}, image)
+    video = BatchRunner("tiny-wan").facts()
+    check_defaults("tiny-wan", {}, video)
+    with pytest.raises(ValueError, match=r"^limits\.default_num_frames: "):
+        check_defaults("tiny-wan", {"default_num_frames": 8}, video)
