@@ -207,9 +207,11 @@ def main() -> int:
             result = fuzz_route(base, route, ns.cases, form=form, uploads=route.endswith("/edits"))
             ok = not result["failures"]
             met &= ok
-            print(f"{name}: {ns.cases} cases in {time.monotonic() - started:.0f} s; by status {result['statuses']}; "
+            sent = sum(result["statuses"].values())  # what hypothesis generated (it may stop short of --cases)
+            print(f"{name}: {sent} cases in {time.monotonic() - started:.0f} s; by status {result['statuses']}; "
                   f"5xx {result['failures'].get('5xx', 0)}, non-envelope {result['failures'].get('non_envelope', 0)}, "
-                  f"slower than {SLOW_S:g} s {result['failures'].get('slow', 0)}  {'MET' if ok else 'MISSED'}")
+                  f"no answer {result['failures'].get('no_answer', 0)}, slower than {SLOW_S:g} s "
+                  f"{result['failures'].get('slow', 0)}  {'MET' if ok else 'MISSED'}")
             for what, (case, text) in result["examples"].items():
                 print(f"  first {what}: {str(case)[:200]} -> {text}")
     print(f"goal: 0 x 5xx, 0 non-envelope bodies, 0 answers > {SLOW_S:g} s: {'MET' if met else 'MISSED'}")

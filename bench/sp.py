@@ -56,15 +56,18 @@ def _rank(rank, layout, port, size, steps, iters, conn):
     runner.enable_parallel(config, mesh, rank)
     sent = [0]
 
-    def counting(original):
+    def counting(name, original):
         def counted(output, input, *args, **kwargs):  # measurement only: bytes this rank sends
             tensor = input if isinstance(input, torch.Tensor) else output
-            sent[0] += tensor.numel() * tensor.element_size()
+            share = 1.0
+            if name == "all_to_all_single":  # the chunk for this rank stays here: (w - 1) / w leaves
+                share = (config.world_size - 1) / config.world_size
+            sent[0] += tensor.numel() * tensor.element_size() * share
             return original(output, input, *args, **kwargs)
         return counted
 
     for name in ("all_to_all_single", "all_gather_into_tensor", "all_gather"):
-        setattr(dist, name, counting(getattr(dist, name)))
+        setattr(dist, name, counting(name, getattr(dist, name)))
     batch = _batch(size, steps)
     runner.denoise(batch)  # warm-up
     times = []
