@@ -38,11 +38,11 @@ def serve_processes() -> dict[str, int]:
     for named in ray.util.list_named_actors(all_namespaces=True):
         if named["namespace"] != SERVE_NAMESPACE:
             continue
-        actor = ray.get_actor(named["name"], namespace=named["namespace"])
         try:
+            actor = ray.get_actor(named["name"], namespace=named["namespace"])
             pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (ray.exceptions.RayError, OSError):  # gone meanwhile, or on another node
+        except (ray.exceptions.RayError, OSError, ValueError):  # gone meanwhile, or on another node
             continue
         # the title, without the method a worker runs now (ray::ServeController.listen_for_change)
         found[cmdline.split(" ")[0].removeprefix("ray::").split(".")[0]] = pid

@@ -192,8 +192,10 @@ def _port_free(host: str, port: int) -> None:
     long traceback, or bind beside a server on every interface). Raises :class:`CannotStart`."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # as Serve's proxy binds (uvicorn, asyncio: SO_REUSEADDR): a connection of a server that
-        # just stopped, left in TIME-WAIT, does not hold the port; a listener still does
+        # SO_REUSEADDR, as Serve's proxy sets it (http_util.set_socket_reuse_port, with
+        # SO_REUSEPORT): a connection of a server that just stopped, left in TIME-WAIT, does not
+        # hold the port for either; a listener still does (without SO_REUSEPORT here, a Serve
+        # proxy listening there too: Serve's own bind would join it and share the port)
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))

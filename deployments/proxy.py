@@ -281,7 +281,7 @@ class IdleFullCollection:
     threshold); once no HTTP request has been in flight for :data:`FULL_COLLECTION_IDLE_S`
     seconds after some were served, one ``gc.collect()`` runs on the event loop, and
     ``malloc_trim`` gives what a burst freed back to the OS (``bench/overload.py``: the proxy
-    was +21 % resident after its burst; with the trim +6 %). A request that arrives during it
+    was +21 % resident after its burst; with the trim +10 %). A request that arrives during it
     waits for it (once per idle period)."""
 
     def __init__(self, app):

@@ -95,11 +95,10 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
     default off the model's grid (``60x64`` where sizes are multiples of 8), or past a limit,
     ran for every request that left the field out."""
     from deployments.config import LimitsConfig
+    from pipeline.contract.edits import validate_edit_request
     from pipeline.contract.images import validate_image_request
     from pipeline.contract.videos import validate_video_request
 
-    if facts.requires_image:  # an edit's size comes from its image
-        return
     config = LimitsConfig.model_validate(limits)
     serving = facts.limits(model_name, config.model_dump())
     body = {"prompt": "defaults", "size": config.default_size, "num_inference_steps": config.default_steps}
@@ -107,6 +106,14 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
     try:
         if facts.temporal_factor:
             validate_video_request({**body, "num_frames": config.default_num_frames}, serving)
+        elif facts.requires_image:  # an edit of an image of the default size, as the warmup makes
+            import io
+
+            from PIL import Image
+
+            png = io.BytesIO()
+            Image.new("RGB", (serving.default_width, serving.default_height), (128, 128, 128)).save(png, "PNG")
+            validate_edit_request({**body, "image": png.getvalue()}, serving)
         else:
             validate_image_request(body, serving)
     except InvalidRequestError as exc:

@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     for path, response in zip(output_paths(args.output, args.count), responses):
         try:
             result = response.result(timeout_s=args.timeout_s)
+        except DitServeError as exc:  # e.g. OverloadedError when the router's queue is full; first: the
+            print(f"{error_name(exc)} ({exc.status_code}): {exc.message}")  # server's 504 is a TimeoutError too
+            continue
         except TimeoutError:  # a call sent while the app is deleted may never be answered (README)
             response.cancel()  # the server drops the request (queued) or its rows (running)
             print(f"no answer within {args.timeout_s:g} s: cancelled")
-            continue
-        except DitServeError as exc:  # e.g. OverloadedError when the router's queue is full
-            print(f"{error_name(exc)} ({exc.status_code}): {exc.message}")
             continue
         except BackPressureError as exc:  # more calls at once than the Ingress's max_queued_requests
             print(f"BackPressureError (retry later): {exc}")

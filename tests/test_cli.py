@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from openai import APIConnectionError, APITimeoutError
 
-from deployments.cli import _transport_modules, failure_line, main
+from deployments.cli import CannotStart, _transport_modules, failure_line, main
 from parallel.groups import free_port
 from tests.helpers import wait_until
 
@@ -486,22 +487,28 @@ def test_serve_refuses_a_taken_port_and_an_address_nothing_answers_at_in_one_lin
         taken.listen()
         port = taken.getsockname()[1]
         assert f"cannot listen on 127.0.0.1:{port}" in _serve_fails("--port", str(port))
-    # a server that just stopped leaves its connections in TIME-WAIT: the port is free to Serve's
-    # proxy (it binds with SO_REUSEADDR) and was refused for a minute or two (helper-32's review)
+    # a Serve proxy that just stopped leaves its connections in TIME-WAIT: the port is free to the
+    # next proxy's bind, and was refused for a minute or two (helper-32's review)
+    from ray.serve._private.http_util import set_socket_reuse_port
+
+    from deployments.cli import _port_free
+
     with socket.socket() as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        set_socket_reuse_port(server)  # as Serve's proxy binds
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
+        with pytest.raises(CannotStart):  # listening: taken
+            _port_free("127.0.0.1", port)
         client = socket.create_connection(("127.0.0.1", port))
         accepted, _ = server.accept()
         accepted.close()  # the server's side closes first: TIME-WAIT is on the server's port
-    try:
-        from deployments.cli import _port_free
-
-        _port_free("127.0.0.1", port)
-    finally:
+        time.sleep(0.1)
         client.close()
+    _port_free("127.0.0.1", port)  # TIME-WAIT only
+    with socket.socket() as serve_bind:  # and Serve agrees
+        set_socket_reuse_port(serve_bind)
+        serve_bind.bind(("127.0.0.1", port))
     nowhere = f"127.0.0.1:{free_port('127.0.0.1')}"
     assert f"no Ray cluster answers at {nowhere}" in _serve_fails("--address", nowhere)
     said = _serve_fails("--address", "http://127.0.0.1:8265")  # the dashboard's URL, as job submission takes

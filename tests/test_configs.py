@@ -105,3 +105,7 @@ def test_a_default_no_request_may_give_fails_the_replicas_start():
     check_defaults("tiny-wan", {}, video)
     with pytest.raises(ValueError, match=r"^limits\.default_num_frames: "):
         check_defaults("tiny-wan", {"default_num_frames": 8}, video)
+    edit = BatchRunner("tiny-qwen-image-edit").facts()  # edits only: checked as an edit (helper-35's review)
+    check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 4}, edit)
+    with pytest.raises(ValueError, match=r"^limits\.default_steps: .*between 2 and"):
+        check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 1}, edit)
