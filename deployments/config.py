@@ -85,7 +85,16 @@ class ModelConfig(_Strict):
     path: str | None = None
     family: str | None = None  # detected from model_index.json when omitted
     dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
-    device: str = "cpu"
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # a rank's own GPU: cuda (parallel)
+
+    @field_validator("family")
+    @classmethod
+    def _family(cls, v: str | None) -> str | None:
+        from pipeline.families import REGISTRY  # names only: a family's module loads where it runs
+
+        if v is not None and v not in REGISTRY:
+            raise ValueError(f"unknown model family {v!r}; known: {', '.join(sorted(REGISTRY))}")
+        return v
     # Execution mode of a second transformer: "boundary" (Wan 2.2 experts, the default when
     # the pipeline has a boundary_ratio) or "paired"; null: what the checkpoint declares.
     dual_transformer: Literal["boundary", "paired"] | None = None

@@ -704,6 +704,9 @@ def _tiny_cpu_config(mutate) -> dict:
      "more requests than Serve's max_ongoing_requests holds (2147483647)"),
     # defaults past their limits ran for every request that left the field out
     (lambda c, a: a["args"].update(limits={"default_steps": 150}), "default_steps 150 > max_steps 100"),
+    # these were one line only at the replica's start (after --check passed them)
+    (lambda c, a: a["args"]["model"].update(family="sdxl"), "args.model.family: Value error, unknown model family"),
+    (lambda c, a: a["args"]["model"].update(device="tpu"), "args.model.device: String should match pattern"),
     (lambda c, a: a["args"].update(limits={"default_size": "512x512", "max_pixels": 4096}),
      "default_size 512x512 is 262144 pixels > max_pixels 4096"),
 ])
