@@ -866,7 +866,10 @@ def test_ctrl_c_while_the_cli_imports_is_one_line_and_exit_130_too(tmp_path, mod
     import subprocess
     import sys
 
+    # a terminal's foreground process has SIGINT's default action; this one inherits the test
+    # process's, which is SIG_IGN when the suite runs as a background job (CI run with '&'): as a shell would
     script = ("import os, signal, sys\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "sent = []\n"
               "def hook(event, args):\n"
               f"    if event == 'import' and args[0] == {module!r} and not sent:\n"
