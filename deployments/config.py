@@ -188,7 +188,7 @@ class LimitsConfig(_Strict):
         """A default past its own limit ran for every request that left the field out (a request
         giving the same value is a 400). Raises ``ValueError`` naming both fields. (Frames and
         sizes' multiples depend on the model: a video model checks ``default_num_frames``
-        against ``max_frames`` at startup, see ``pipeline.wire.ModelFacts.limits``.)"""
+        against ``max_frames`` at startup, see ``deployments.replica.check_defaults``.)"""
         width, height = parse_size(self.default_size)
         problems = [f"default_steps {self.default_steps} > max_steps {self.max_steps}"
                     if self.default_steps > self.max_steps else None,

@@ -68,6 +68,18 @@ def worth_polling(steps_done: int, num_steps: int, elapsed_s: float,
     return elapsed_s / steps_done * (num_steps - steps_done) >= min_remaining_s
 
 
+def grey_png(width: int, height: int) -> bytes:
+    """A mid-grey RGB PNG of ``width`` x ``height`` pixels: the image of an edit-only model's
+    warmup and default check."""
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(png, "PNG")
+    return png.getvalue()
+
+
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
     """The warmup request: the server's default size, frames, steps and acceleration settings
     (a model that only edits, ``facts.requires_image``, warms up on an edit of a grey image)."""
@@ -78,13 +90,8 @@ def default_params(model_name: str, acceleration: dict, limits: dict, facts: Mod
     if facts.temporal_factor:
         return resolve_video(VideoGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
     if facts.requires_image:
-        import io
-
-        from PIL import Image
-
-        png = io.BytesIO()
-        Image.new("RGB", (serving.default_width, serving.default_height), (128, 128, 128)).save(png, "PNG")
-        request = ImageEditRequest(prompt="warmup", seed=0, image=png.getvalue())
+        request = ImageEditRequest(prompt="warmup", seed=0, image=grey_png(serving.default_width,
+                                                                           serving.default_height))
         return resolve_edit(request, serving, defaults, request_id="warmup")
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
@@ -107,13 +114,7 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
         if facts.temporal_factor:
             validate_video_request({**body, "num_frames": config.default_num_frames}, serving)
         elif facts.requires_image:  # an edit of an image of the default size, as the warmup makes
-            import io
-
-            from PIL import Image
-
-            png = io.BytesIO()
-            Image.new("RGB", (serving.default_width, serving.default_height), (128, 128, 128)).save(png, "PNG")
-            validate_edit_request({**body, "image": png.getvalue()}, serving)
+            validate_edit_request({**body, "image": grey_png(serving.default_width, serving.default_height)}, serving)
         else:
             validate_image_request(body, serving)
     except InvalidRequestError as exc:
