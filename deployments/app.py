@@ -9,8 +9,8 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import (AppConfig, admission_limit_of, batching_update, check_user_config_shape, ingress_update,
-                                lora_registry, validation_line, with_env_overrides)
+from deployments.config import (AppConfig, admission_limit_of, app_config, batching_update, check_user_config_shape,
+                                ingress_update, look_back_problem, lora_registry, validation_line)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -62,7 +62,8 @@ def replica_counts(options: dict, config: AppConfig) -> tuple[int, int]:
     is given."""
     autoscaling = options.get("autoscaling_config")
     if options.get("num_replicas") == "auto":  # Serve's defaults for "auto", updated by autoscaling_config
-        given = autoscaling.model_dump() if isinstance(autoscaling, AutoscalingConfig) else autoscaling or {}
+        given = (autoscaling.model_dump(exclude_unset=True) if isinstance(autoscaling, AutoscalingConfig)
+                 else autoscaling or {})
         autoscaling = {**AutoscalingConfig.default().model_dump(), **given}
     if autoscaling is not None:
         if not isinstance(autoscaling, AutoscalingConfig):
@@ -159,13 +160,30 @@ def check_replicas_come_back(options: dict) -> None:
                          "scale up from zero")
 
 
+def check_entry_look_back(name: str, given) -> None:
+    """Raise ``ValueError`` naming the deployment for a ``deployments`` entry's
+    ``autoscaling_config`` whose ``look_back_period_s`` is not longer than its
+    ``metrics_interval_s`` (Serve's defaults where one is left out): Serve only warns (a
+    FutureWarning: it will refuse it)."""
+    if not isinstance(given, dict):
+        return
+    fields = AutoscalingConfig.model_fields
+    problem = look_back_problem(given.get("look_back_period_s", fields["look_back_period_s"].default),
+                                given.get("metrics_interval_s", fields["metrics_interval_s"].default))
+    if problem:
+        raise ValueError(f"deployments: {name}'s autoscaling_config.{problem}")
+
+
 def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict:
-    """``entry`` with a DiTReplica ``autoscaling_config`` that names no ``policy`` given the
+    """``entry`` with a DiTReplica ``autoscaling_config`` that names no ``policy`` (or
+    ``num_replicas: "auto"`` with none: Serve's "auto" defaults) given the
     Router-queue one (``RouterQueuePolicy``: its ``target_queued_per_replica``, else ``args``',
     else ``max_batch_size``): Serve's default policy counts ongoing requests, and a DiTReplica
     takes one batch at a time. Raises ``ValueError`` for a bad target, pydantic's
     ``ValidationError`` for bad Serve fields."""
     given = entry.get("autoscaling_config")
+    if name == "DiTReplica" and entry.get("num_replicas") == "auto" and given is None:
+        given = {}  # Serve's "auto" defaults, scaling on the Router's queue like an entry naming no policy
     if name != "DiTReplica" or not isinstance(given, dict) or given.get("policy") is not None:
         return entry
     target = given.get("target_queued_per_replica")
@@ -233,7 +251,7 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
     ``ValueError`` for an entry naming no deployment of the app or one named twice (Serve
     would take the last entry and drop the other's options without a word), and for a Router
     entry giving it more than one replica."""
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(with_env_overrides(args or {}))
+    config = args if isinstance(args, AppConfig) else app_config(args or {})
     options = deployment_options(config)
     names = [entry.get("name") for entry in deployments or ()]
     twice = sorted({str(name) for name in names if names.count(name) > 1})
@@ -251,6 +269,7 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
             raise ValueError("deployments: Router runs as one replica (it holds the queues and the video jobs); "
                              "drop its num_replicas / autoscaling_config (scale DiTReplica, or the Ingress)")
         check_entry_user_config(name, entry.get("user_config"), config)
+        check_entry_look_back(name, entry.get("autoscaling_config"))
         try:
             entry = _with_router_queue_policy(name, entry, config)
         except ValidationError as exc:

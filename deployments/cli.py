@@ -29,7 +29,7 @@ import pydantic
 import yaml
 
 from compat.ray_serve import gcs_refusal
-from deployments.config import validation_line
+from deployments.config import app_config, validation_line
 from deployments.proxy import install as install_proxy_middleware
 from pipeline.contract.text import shown
 from parallel.groups import free_port
@@ -95,7 +95,9 @@ def load_serve_config(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise CannotStart(f"{path}: a Serve config file is a mapping with an 'applications' list")
     try:
-        schema = ServeDeploySchema.model_validate(raw)
+        with warnings.catch_warnings():  # refused with the entry's name in bind_app (app.check_entry_look_back)
+            warnings.filterwarnings("ignore", message="`look_back_period_s`", category=FutureWarning)
+            schema = ServeDeploySchema.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise CannotStart(f"{path}: {validation_line(exc)}") from None
     except (AttributeError, TypeError, ValueError) as exc:  # Serve's own validators, given a null or a list
@@ -217,13 +219,34 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
     from deployments.app import bind_app
 
     try:
-        return bind_app(args, deployments)
+        app = bind_app(args, deployments)
     except pydantic.ValidationError as exc:
         raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
     except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
     except ImportError as exc:  # an autoscaling_config policy (or another import path) Serve cannot import
         raise CannotStart(f"bad config: {_import_problem(exc)}") from None
+    _check_compile_backend(app_config(args))
+    return app
+
+
+def _check_compile_backend(config) -> None:
+    """Raise :class:`CannotStart` for an ``acceleration.compile_backend`` this torch's
+    ``torch.compile`` does not have (each replica's start failed on it, after the cluster started).
+    Imports torch only for a backend other than the default ``inductor``."""
+    backend = config.acceleration.compile_backend
+    if backend == "inductor":
+        return
+    import torch
+    from torch._dynamo import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(backend)
+    except InvalidBackend:
+        known = [name for name in list_backends(exclude_tags=()) if "TESTING" not in name]
+        raise CannotStart(f"bad application args: args.acceleration.compile_backend: torch {torch.__version__}'s "
+                          f"torch.compile has no backend {backend!r}; it has {', '.join(known)}") from None
 
 
 def _import_problem(exc: ImportError) -> str:

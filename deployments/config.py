@@ -307,6 +307,35 @@ def with_env_overrides(args: dict, environ=os.environ) -> dict:
     return {**args, "acceleration": acceleration} if acceleration else dict(args)
 
 
+def app_config(args: dict, environ=os.environ) -> "AppConfig":
+    """``AppConfig`` of ``args`` with the ``DITSERVE_*`` overrides (:func:`with_env_overrides`).
+    Raises ``ValueError`` naming the variable when one's value is refused (``DITSERVE_CACHE_DIT_PARAMS='[1]'``
+    was "args.acceleration.cache_dit_params: Input should be a valid dictionary", a field the
+    config file may not even give), pydantic's ``ValidationError`` for the rest of ``args``."""
+    try:
+        return AppConfig.model_validate(with_env_overrides(args, environ))
+    except ValidationError as exc:
+        for var, (key, _) in ENV_OVERRIDES.items():
+            said = [f"{'.'.join(str(p) for p in error['loc'][1:])}: {error['msg']}" for error in exc.errors()
+                    if var in environ and tuple(error["loc"][:2]) == ("acceleration", key)]
+            if said:
+                raise ValueError(f"{var}={environ[var]!r} (the acceleration.{key} default): "
+                                 f"{'; '.join(said)}") from None
+        raise
+
+
+def look_back_problem(look_back_period_s, metrics_interval_s) -> str | None:
+    """Why an autoscaling ``look_back_period_s`` (s) cannot average ``metrics_interval_s``' (s)
+    reports, or ``None``: it must be longer than one interval (Ray Serve's ``AutoscalingConfig``
+    warns today that it will refuse this; its FutureWarning reached ``--check``'s output)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (look_back_period_s,
+                                                                                     metrics_interval_s))
+    if numbers and look_back_period_s <= metrics_interval_s:
+        return (f"look_back_period_s ({look_back_period_s}) must be greater than metrics_interval_s "
+                f"({metrics_interval_s}): the queue is averaged over more than one metrics report")
+    return None
+
+
 class AutoscalingSettings(_Strict):
     """Autoscaling of DiTReplica on the Router's queue depth (``deployments.autoscaling``).
 
@@ -335,6 +364,9 @@ class AutoscalingSettings(_Strict):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie in "
                              f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
+        problem = look_back_problem(self.look_back_period_s, self.metrics_interval_s)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -707,6 +707,11 @@ def _tiny_cpu_config(mutate) -> dict:
     # these were one line only at the replica's start (after --check passed them)
     (lambda c, a: a["args"]["model"].update(family="sdxl"), "args.model.family: Value error, unknown model family"),
     (lambda c, a: a["args"]["model"].update(device="tpu"), "args.model.device: String should match pattern"),
+    # each passed --check and failed each replica's start (helper-32's review)
+    (lambda c, a: a["args"].update(acceleration={"torch_compile": True, "compile_backend": "indcutor"}),
+     "args.acceleration.compile_backend: torch 2"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {"look_back_period_s": 5}}]),
+     "DiTReplica's autoscaling_config.look_back_period_s (5) must be greater than metrics_interval_s (10.0)"),
     (lambda c, a: a["args"].update(limits={"default_size": "512x512", "max_pixels": 4096}),
      "default_size 512x512 is 262144 pixels > max_pixels 4096"),
 ])
@@ -726,6 +731,28 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
     assert main(["serve", "--config", str(path), "--check"]) == 1  # the same, asked for before a serve deploy
     assert capsys.readouterr().err == err
+
+
+@pytest.mark.parametrize("var, value, said", [
+    ("DITSERVE_CACHE_DIT_PARAMS", "[1]", "DITSERVE_CACHE_DIT_PARAMS='[1]' (the acceleration.cache_dit_params default): "
+                                         "cache_dit_params: Input should be a valid dictionary"),
+    ("DITSERVE_CACHE_DIT_PARAMS", '{"Fn_compute_blocks": 0}', "cache_dit_params.Fn_compute_blocks: Input should be"),
+    ("DITSERVE_CFG_GATE_STEP", "7", "DITSERVE_CFG_GATE_STEP='7' (the acceleration.cfg_gate_step default)"),
+    ("DITSERVE_CFG_GATE_STEP", "soon", "DITSERVE_CFG_GATE_STEP='soon': could not convert"),
+    ("DITSERVE_ATTENTION_BACKEND", "flash", "DITSERVE_ATTENTION_BACKEND='flash' (the acceleration.attention_backend"),
+])
+def test_a_bad_acceleration_variable_is_named(tmp_path, capsys, monkeypatch, var, value, said):
+    """A ``DITSERVE_*`` variable's value the config refuses names the variable (helper-32's review:
+    ``DITSERVE_CACHE_DIT_PARAMS='[1]'`` said "args.acceleration.cache_dit_params", a field the
+    file did not give)."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    monkeypatch.setenv(var, value)
+    path = Path(__file__).parent.parent / "configs" / "tiny-cpu.yaml"
+    assert main(["serve", "--config", str(path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
