@@ -217,7 +217,9 @@ class AccelerationReport(Report):
 
 class BatchReport(Report):
     """The batch a request ran in, as the replica saw it: its id, images, signature (as
-    text), the replica and its ranks, and whether the replica changed state for it."""
+    text), the replica and its ranks, and whether the replica changed state for it.
+    ``batch_size``: images in the batch as it was dispatched; rows of gone requests dropped at a
+    step boundary later still count (the batch ran them up to there)."""
 
     batch_id: str
     batch_size: int
