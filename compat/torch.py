@@ -4,7 +4,9 @@
   the recompile limit. Past ``torch._dynamo.config.recompile_limit`` (8 by default) dynamo
   runs a function uncompiled and only logs a warning; ditserve counts those in ``/v1/stats``.
 - The CUDA memory-efficient SDPA op (``torch.ops.aten._scaled_dot_product_efficient_attention``)
-  that returns the log-sum-exp ring attention merges by (``parallel.attention``).
+  that returns the log-sum-exp ring attention merges by (``parallel.attention``), and the CPU
+  flash SDPA op (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``), the kernel
+  ``F.scaled_dot_product_attention`` runs on CPU for unmasked inputs, which returns it too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ RELIES_ON = (
     Reliance("torch._dynamo.utils", "counters", "graphs compiled and recompile-limit hits"),
     Reliance("torch._dynamo.config", "recompile_limit", "the recompile limit"),
     Reliance("torch", "ops.aten._scaled_dot_product_efficient_attention", "the LSE of torch's efficient SDPA"),
+    Reliance("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu", "the LSE of torch's SDPA on CPU"),
 )
 
 
@@ -48,4 +51,14 @@ def efficient_attention(q, k, v, dropout_p: float = 0.0, causal: bool = False, s
 
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, dropout_p, causal, scale=scale)[:2]
+    return out, lse
+
+
+def cpu_flash_attention(q, k, v, dropout_p: float = 0.0, causal: bool = False, scale: float | None = None):
+    """torch's SDPA on CPU (its flash kernel: what ``F.scaled_dot_product_attention`` runs there
+    for unmasked inputs) with its log-sum-exp: q, k, v (B, H, S, D) float32/bfloat16/float16 on
+    CPU → (out (B, H, S, D) in q's dtype, lse (B, H, S) float32)."""
+    import torch
+
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal, scale=scale)[:2]
     return out, lse

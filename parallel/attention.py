@@ -1,7 +1,10 @@
 """Attention over a sequence sharded across ranks, through yunchang's LongContextAttention.
 
 Kernels: on CUDA each request name runs the yunchang ``AttnType`` of its ``parallel.kernels``
-entry (the default: ``torch_sdpa``'s). On CPU every name runs PyTorch math attention.
+entry (the default: ``torch_sdpa``'s). On CPU ``torch_sdpa`` (the default) runs PyTorch's SDPA
+kernel for CPU (:func:`cpu_sdpa_attention`, the one a single-rank replica's
+``F.scaled_dot_product_attention`` runs) and ``torch_math`` PyTorch math attention; no other
+kernel runs on CPU (requests and configs naming one are refused before this).
 
 Ring attention merges each rank's partial result by its log-sum-exp (LSE), which must be the
 exact float32 LSE of the real queries (:func:`usp_kernel` decides per kernel):
@@ -57,6 +60,21 @@ def lse_math_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return out.transpose(1, 2).to(q.dtype), lse
 
 
+def cpu_sdpa_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, return_softmax=False, **_):
+    """PyTorch's SDPA on CPU with the LSE ring merges need, as yunchang's ``(out, lse)``.
+
+    q, k, v: (B, S, H, D) float32/bfloat16/float16 on CPU; returns out (B, S, H, D) in q's
+    dtype and lse (B, H, S) float32. It is the kernel ``F.scaled_dot_product_attention`` runs
+    on CPU for unmasked inputs (``compat.torch.cpu_flash_attention``), so ``torch_sdpa`` under
+    sequence parallelism runs what it runs on one rank (it ran math attention, reported as
+    ``torch_sdpa``).
+    """
+    out, lse = torch_compat.cpu_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                dropout_p, causal, softmax_scale)
+    return out.transpose(1, 2), lse
+
+
 def efficient_attention_lse(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, return_softmax=False, **_):
     """PyTorch's memory-efficient SDPA (CUDA) with the LSE ring merges need.
@@ -79,6 +97,10 @@ def usp_kernel(name: str | None, device_type: str, ring_degree: int) -> tuple[st
     layout its LSE (startup and request checks refuse it before this is reached)."""
     spec = KERNELS[name or DEFAULT_KERNEL]
     if device_type != "cuda":
+        if spec.name == "torch_sdpa":
+            return None, cpu_sdpa_attention
+        if spec.name != "torch_math":
+            raise ValueError(f"{spec.name} cannot run on {device_type}")
         return ("TORCH_MATH", None) if ring_degree == 1 else (None, lse_math_attention)
     if ring_degree == 1 or spec.ring_lse == "exact":
         return spec.yunchang, None

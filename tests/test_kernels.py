@@ -11,7 +11,7 @@ from yunchang.ring.utils import update_out_and_lse
 
 import parallel.kernels as kernels
 from deployments.config import AppConfig
-from parallel.attention import efficient_attention_lse, exact_lse, lse_math_attention, usp_kernel
+from parallel.attention import cpu_sdpa_attention, efficient_attention_lse, exact_lse, lse_math_attention, usp_kernel
 from parallel.kernels import KERNELS, default_kernel_rejections, kernel_rejections, version_problem
 from pipeline.runner import BatchRunner
 
@@ -85,8 +85,12 @@ def test_a_replica_refuses_to_start_with_a_default_kernel_it_cannot_run():
 
 
 def test_usp_kernel_gives_ring_attention_an_exact_lse():
-    assert usp_kernel(None, "cpu", 1) == ("TORCH_MATH", None)
-    assert usp_kernel("fa", "cpu", 2) == (None, lse_math_attention)
+    # on CPU the default runs torch's own SDPA kernel, as on one rank (it ran math, reported as torch_sdpa)
+    assert usp_kernel(None, "cpu", 1) == usp_kernel("torch_sdpa", "cpu", 2) == (None, cpu_sdpa_attention)
+    assert usp_kernel("torch_math", "cpu", 1) == ("TORCH_MATH", None)
+    assert usp_kernel("torch_math", "cpu", 2) == (None, lse_math_attention)
+    with pytest.raises(ValueError, match="fa cannot run on cpu"):  # refused before: never a silent fallback
+        usp_kernel("fa", "cpu", 2)
     assert usp_kernel(None, "cuda", 1) == ("TORCH_EFFICIENT", None)
     assert usp_kernel("fa", "cuda", 2) == ("FA", None)  # flash-attn returns an exact fp32 LSE
     assert usp_kernel("torch_sdpa", "cuda", 2) == (None, efficient_attention_lse)
@@ -134,6 +138,27 @@ def test_ring_merge_needs_the_sliced_float32_lse():
     assert _two_block_merge(lambda lse: exact_lse(_padded(lse), 40)) <= 1e-6
     rounded = _two_block_merge(lambda lse: lse.to(torch.bfloat16))  # what yunchang's cast does
     assert rounded > 100 * _two_block_merge(lambda lse: lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_sdpa_processor_is_torch_sdpa_and_its_lse_merges_exactly(dtype):
+    """``torch_sdpa`` under sequence parallelism on CPU: the same output as
+    ``F.scaled_dot_product_attention`` on the whole sequence (bit for bit: the same kernel), and
+    a float32 LSE two ring blocks merge by to the full attention."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 4, 16, dtype=dtype) for _ in range(3))
+    out, lse = cpu_sdpa_attention(q, k, v, softmax_scale=0.3)
+    reference = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=0.3)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 40)
+    assert torch.equal(out, reference.transpose(1, 2))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * 0.3
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    merged = merged_lse = None
+    for block in (slice(0, 20), slice(20, 40)):
+        block_out, block_lse = cpu_sdpa_attention(q, k[:, block], v[:, block], softmax_scale=0.3)
+        merged, merged_lse = update_out_and_lse(merged, merged_lse, block_out, block_lse)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (merged.to(dtype).float() - out.float()).abs().max() <= tolerance
 
 
 def test_kernels_without_mask_support_are_refused_for_masked_models():
