@@ -261,8 +261,9 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
     by field, not item by item (``lora[][name]=a``, ``lora[][name]=b``, ``lora[][scale]=0.8``,
     ``lora[][scale]=0.5``), so item i takes the i-th value of each field. A 400 names the field
     whose item fields give different numbers of values (items giving different fields: their
-    values cannot be matched to items), a list inside a list's items, and a field other than a
-    list or upload given twice. Items giving different fields with equal counts cannot be told
+    values cannot be matched to items), a list inside a list's items, a list given both as
+    objects and as values (``lora[]=a`` with ``lora[][name]=b``), and a field other than a list
+    or upload given twice. Items giving different fields with equal counts cannot be told
     from fewer, fuller items (``[{"name": "a"}, {"scale": 0.5}]`` is the form of ``[{"name": "a",
     "scale": 0.5}]``) and are read so: only JSON text in one field says which is meant. Values of
     fields other than the text fields are read as JSON when they parse (``8`` → 8, ``true`` →
@@ -310,6 +311,14 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
                                       "in one field", param=path[0], code="invalid_form")
         lists.setdefault(tuple(path[:at]), {}).setdefault(tuple(path[at + 1:]), []).append(value)
     for at, fields in lists.items():
+        node = body
+        for part in at:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:  # also given as a value or a list of values (lora[]=a with lora[][name]=b)
+            item_fields = ", ".join(f"{_form_name(at)}[]{_form_name(('', *field))}" for field in fields)
+            raise InvalidRequestError(f"{_form_name(at)}: given both as a list of objects ({item_fields[:120]}) and "
+                                      f"as {_form_name(at)} or {_form_name(at)}[]; send it one way",
+                                      param=at[0], code="invalid_form")
         _form_put(body, list(at), _form_items(at, fields), f"{_form_name(at)}[]", repeatable=False)
     return body
 

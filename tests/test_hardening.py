@@ -199,7 +199,9 @@ def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent
     ([("lora[][name]", "a"), ("lora[][name]", "b"), ("lora[][scale]", "0.5")], "lora", "same fields"),
     ([("x[][]", "1"), ("x[][]", "2")], "x", "a list inside a list"),
     ([("lora[][b][]", "1")], "lora", "a list inside a list"),
-    ([("lora[]", "a"), ("lora[][name]", "a")], "lora", "more than once"),
+    # a list of values and a list of objects at once said "'lora[]' is given more than once"
+    ([("lora[]", "a"), ("lora[][name]", "a")], "lora", r"given both as a list of objects \(lora\[\]\[name\]\)"),
+    ([("lora", '[{"name": "a"}]'), ("lora[][name]", "b")], "lora", "send it one way"),
     ([("lora[][b]", "1"), ("lora[][b][c]", "2")], "lora", "mixes a value and an object"),
     ([("prompt", "a"), ("prompt", "b")], "prompt", "given more than once"),
     ([("prompt", "a"), ("seed", "1"), ("seed", "1")], "seed", "given more than once"),
