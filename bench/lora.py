@@ -8,7 +8,7 @@
    ``load_lora_weights``), an activation from the LRU (``set_adapters``) and a hot-swap into
    the compiled slots, each vs one full batch (4 images, 64x64, 16 steps).
 
-    python bench/lora.py [--requests 100] [--concurrency 8]
+    python bench/lora.py [--requests 100] [--concurrency 8] [--routing-rounds 2] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -52,19 +52,22 @@ def routing(ns) -> None:
         client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=32))
         for name, affinity in (("affinity", True), ("default", False)):
             serve.run(build_app(app_args(affinity)), name=name, route_prefix=f"/{name}")
-        counts = {}
-        for name in ("affinity", "default"):
-            url = f"{base}/{name}"
-            burst(client, f"{url}/v1/images/generations", [{"prompt": "warm", "size": "64x64",
-                                                            "num_inference_steps": 2}] * 2, 2)
-            seconds, metas = burst(client, f"{url}/v1/images/generations", workload, ns.concurrency)
-            batches = {m["batch_id"]: m for m in metas}.values()  # each batch reports the loads it paid
-            counts[name] = (sum(m["acceleration"]["lora"]["loads"] for m in batches), len(batches), seconds)
-    print(f"{ns.requests} requests over {len(ADAPTERS)} adapters, 2 replicas x max_loaded_loras=2, "
-          f"{ns.concurrency} concurrent clients")
+        counts = {name: [0, 0, 0.0] for name in ("affinity", "default")}  # loads, batches, seconds
+        for name in counts:
+            burst(client, f"{base}/{name}/v1/images/generations", [{"prompt": "warm", "size": "64x64",
+                                                                    "num_inference_steps": 2}] * 2, 2)
+        for r in range(ns.routing_rounds):  # alternated, each router first in every other round
+            for name in (("affinity", "default") if r % 2 == 0 else ("default", "affinity")):
+                seconds, metas = burst(client, f"{base}/{name}/v1/images/generations", workload, ns.concurrency)
+                batches = {m["batch_id"]: m for m in metas}.values()  # each batch reports the loads it paid
+                counts[name][0] += sum(m["acceleration"]["lora"]["loads"] for m in batches)
+                counts[name][1] += len(batches)
+                counts[name][2] += seconds
+    print(f"{ns.requests} requests over {len(ADAPTERS)} adapters x {ns.routing_rounds} alternated rounds, "
+          f"2 replicas x max_loaded_loras=2, {ns.concurrency} concurrent clients")
     per100 = {}
     for name, (n, batches, seconds) in counts.items():
-        per100[name] = 100 * n / ns.requests
+        per100[name] = 100 * n / (ns.requests * ns.routing_rounds)
         print(f"  {name:8s} router: {per100[name]:5.1f} adapter loads per 100 requests ({n} in {batches} batches, "
               f"{seconds:.1f} s)")
     ratio = per100["affinity"] / per100["default"] if per100["default"] else float("nan")
@@ -124,7 +127,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="adapter switch timing rounds")
+    ap.add_argument("--routing-rounds", type=int, default=2, help="workload rounds per router, alternated")
     ns = ap.parse_args()
     routing(ns)
     switch_times(ns)

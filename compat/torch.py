@@ -57,8 +57,10 @@ def efficient_attention(q, k, v, dropout_p: float = 0.0, causal: bool = False, s
 def cpu_flash_attention(q, k, v, dropout_p: float = 0.0, causal: bool = False, scale: float | None = None):
     """torch's SDPA on CPU (its flash kernel: what ``F.scaled_dot_product_attention`` runs there
     for unmasked inputs) with its log-sum-exp: q, k, v (B, H, S, D) float32/bfloat16/float16 on
-    CPU → (out (B, H, S, D) in q's dtype, lse (B, H, S) float32)."""
+    CPU → (out (B, H, S, D) in q's dtype, lse (B, H, S) float32). Inputs whose last dimension is
+    strided are copied first: the op reads them as if it were not (F.sdpa checks; the op does not)."""
     import torch
 
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal, scale=scale)[:2]
     return out, lse

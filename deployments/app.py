@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 from pydantic import ValidationError
 from ray.serve import Application
@@ -162,14 +163,20 @@ def check_replicas_come_back(options: dict) -> None:
 
 def check_entry_look_back(name: str, given) -> None:
     """Raise ``ValueError`` naming the deployment for a ``deployments`` entry's
-    ``autoscaling_config`` whose ``look_back_period_s`` is not longer than its
-    ``metrics_interval_s`` (Serve's defaults where one is left out): Serve only warns (a
-    FutureWarning: it will refuse it)."""
+    ``autoscaling_config`` that Serve's ``AutoscalingConfig`` refuses, or whose
+    ``look_back_period_s`` is not longer than its ``metrics_interval_s`` as Serve reads them
+    (``"1e1"``, as YAML reads ``1e1``, and ``true`` are numbers to Serve; its defaults where one
+    is left out): Serve only warns of that (a FutureWarning: it will refuse it)."""
     if not isinstance(given, dict):
         return
-    fields = AutoscalingConfig.model_fields
-    problem = look_back_problem(given.get("look_back_period_s", fields["look_back_period_s"].default),
-                                given.get("metrics_interval_s", fields["metrics_interval_s"].default))
+    fields = {key: value for key, value in given.items() if key != "target_queued_per_replica"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`look_back_period_s`", category=FutureWarning)
+        try:
+            parsed = AutoscalingConfig(**fields)
+        except ValidationError as exc:
+            raise ValueError(f"deployments: {name}'s autoscaling_config: {validation_line(exc)}") from None
+    problem = look_back_problem(parsed.look_back_period_s, parsed.metrics_interval_s)
     if problem:
         raise ValueError(f"deployments: {name}'s autoscaling_config.{problem}")
 

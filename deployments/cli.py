@@ -233,7 +233,9 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
 def _check_compile_backend(config) -> None:
     """Raise :class:`CannotStart` for an ``acceleration.compile_backend`` this torch's
     ``torch.compile`` does not have (each replica's start failed on it, after the cluster started).
-    Imports torch only for a backend other than the default ``inductor``."""
+    Only the name is checked: a registered backend whose package is missing (``tvm``,
+    ``openxla``) fails at the replicas' start, on their machines. Imports torch only for a
+    backend other than the default ``inductor``."""
     backend = config.acceleration.compile_backend
     if backend == "inductor":
         return

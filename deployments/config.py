@@ -286,12 +286,23 @@ class AccelerationConfig(_Strict):
         return v
 
 
+def _env_flag(value: str) -> bool:
+    """A true/false variable's value (1/0, true/false, yes/no, on/off; any case). Raises
+    ``ValueError`` for any other (``maybe`` was read as false)."""
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false (1/0, true/false, yes/no, on/off)")
+
+
 ENV_OVERRIDES = {
-    "DITSERVE_ENABLE_CACHE_DIT": ("enable_cache_dit", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+    "DITSERVE_ENABLE_CACHE_DIT": ("enable_cache_dit", _env_flag),
     "DITSERVE_CACHE_DIT_PARAMS": ("cache_dit_params", json.loads),
     "DITSERVE_CFG_GATE_STEP": ("cfg_gate_step", float),
     "DITSERVE_ATTENTION_BACKEND": ("attention_backend", lambda v: v or None),
-    "DITSERVE_TORCH_COMPILE": ("torch_compile", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+    "DITSERVE_TORCH_COMPILE": ("torch_compile", _env_flag),
 }
 
 
@@ -309,19 +320,37 @@ def with_env_overrides(args: dict, environ=os.environ) -> dict:
 
 def app_config(args: dict, environ=os.environ) -> "AppConfig":
     """``AppConfig`` of ``args`` with the ``DITSERVE_*`` overrides (:func:`with_env_overrides`).
-    Raises ``ValueError`` naming the variable when one's value is refused (``DITSERVE_CACHE_DIT_PARAMS='[1]'``
-    was "args.acceleration.cache_dit_params: Input should be a valid dictionary", a field the
-    config file may not even give), pydantic's ``ValidationError`` for the rest of ``args``."""
+
+    Raises pydantic's ``ValidationError`` for bad ``args`` when no override is set. With one
+    set, a refusal is a ``ValueError`` whose errors name the variable where its value is the
+    one refused (``DITSERVE_CACHE_DIT_PARAMS='[1]'`` was "args.acceleration.cache_dit_params:
+    Input should be a valid dictionary", a field the config file may not even give), ``args.``
+    and the field for the file's own, and the variables set where a check across fields
+    refuses what the file alone passes (``DITSERVE_ATTENTION_BACKEND=fa`` on a CPU model)."""
+    used = {var: key for var, (key, _) in ENV_OVERRIDES.items() if var in environ}
     try:
         return AppConfig.model_validate(with_env_overrides(args, environ))
     except ValidationError as exc:
-        for var, (key, _) in ENV_OVERRIDES.items():
-            said = [f"{'.'.join(str(p) for p in error['loc'][1:])}: {error['msg']}" for error in exc.errors()
-                    if var in environ and tuple(error["loc"][:2]) == ("acceleration", key)]
-            if said:
-                raise ValueError(f"{var}={environ[var]!r} (the acceleration.{key} default): "
-                                 f"{'; '.join(said)}") from None
-        raise
+        if not used:
+            raise
+        said = []
+        for error in exc.errors():
+            loc = tuple(str(part) for part in error.get("loc", ()))
+            var = next((v for v, key in used.items() if loc[:2] == ("acceleration", key)), None)
+            if var is not None:
+                said.append(f"{var}={environ[var]!r} (the acceleration.{used[var]} default): "
+                            f"{'.'.join(loc[1:])}: {error.get('msg', 'invalid')}")
+            else:
+                said.append(f"{'.'.join(('args', *loc))}: {error.get('msg', 'invalid')}")
+        try:
+            AppConfig.model_validate(args)
+            alone = True
+        except ValidationError:
+            alone = False
+        if alone and len(said) != sum(1 for line in said if line.startswith("DITSERVE_")):
+            setting = ", ".join(f"{var}={environ[var]!r}" for var in used)
+            said.insert(0, f"with {setting} set in the environment (the file alone passes)")
+        raise ValueError("; ".join(said)) from None
 
 
 def look_back_problem(look_back_period_s, metrics_interval_s) -> str | None:

@@ -275,6 +275,7 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
     """
     body: dict = {}
     lists: dict[tuple[str, ...], dict[tuple[str, ...], list]] = {}  # list path -> item field path -> values
+    whole: set[tuple[str, ...]] = set()  # paths given a value whole (not by name[] items)
     for key, value in items:
         match = _FORM_KEY.match(key)
         if not match:
@@ -302,7 +303,13 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
                                           "in one object; it takes one value", param=path[0],
                                           code="invalid_form") from None
         if "" not in path[:-1]:
+            if path[-1] == "" and tuple(path[:-1]) in whole:  # lora=[...] then lora[]=...: was one list of both
+                raise InvalidRequestError(f"form field {key[:40]!r} mixes a value and a list: "
+                                          f"{_form_name(path[:-1])} is given whole and item by item; send it one way",
+                                          param=path[0], code="invalid_form")
             _form_put(body, path, value, key, repeatable=path[0] in file_lists)
+            if path[-1] != "":
+                whole.add(tuple(path))
             continue
         at = path.index("")
         if "" in path[at + 1:]:
@@ -311,10 +318,13 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
                                       "in one field", param=path[0], code="invalid_form")
         lists.setdefault(tuple(path[:at]), {}).setdefault(tuple(path[at + 1:]), []).append(value)
     for at, fields in lists.items():
-        node = body
+        node, given = body, True
         for part in at:
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:  # also given as a value or a list of values (lora[]=a with lora[][name]=b)
+            given = isinstance(node, dict) and part in node
+            node = node[part] if given else None
+            if not given:
+                break
+        if given:  # also given as a value or a list of values (lora[]=a, lora=null with lora[][name]=b)
             item_fields = ", ".join(f"{_form_name(at)}[]{_form_name(('', *field))}" for field in fields)
             raise InvalidRequestError(f"{_form_name(at)}: given both as a list of objects ({item_fields[:120]}) and "
                                       f"as {_form_name(at)} or {_form_name(at)}[]; send it one way",

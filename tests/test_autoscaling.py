@@ -119,9 +119,19 @@ def test_a_deployments_entry_autoscaling_config_keeps_the_router_queue_policy():
     ({"replica": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 10}}}, [],  # metrics_interval_s 10 s
      "look_back_period_s (10.0) must be greater than metrics_interval_s (10.0)"),
     ({}, [{"name": "DiTReplica", "autoscaling_config": {"max_replicas": 2, "look_back_period_s": 5}}],
-     "DiTReplica's autoscaling_config.look_back_period_s (5) must be greater than metrics_interval_s (10.0)"),
+     "DiTReplica's autoscaling_config.look_back_period_s (5.0) must be greater than metrics_interval_s (10.0)"),
     ({}, [{"name": "Ingress", "autoscaling_config": {"max_replicas": 2, "metrics_interval_s": 40}}],
-     "Ingress's autoscaling_config.look_back_period_s (30.0) must be greater than metrics_interval_s (40)"),
+     "Ingress's autoscaling_config.look_back_period_s (30.0) must be greater than metrics_interval_s (40.0)"),
+    # as Serve reads them (helper-36's review: these passed): YAML reads 1e1 as the string "1e1"
+    ({}, [{"name": "DiTReplica", "autoscaling_config": {"look_back_period_s": "1e1"}}],
+     "look_back_period_s (10.0) must be greater than metrics_interval_s (10.0)"),
+    ({}, [{"name": "Ingress", "autoscaling_config": {"look_back_period_s": True}}],
+     "look_back_period_s (1.0) must be greater than metrics_interval_s (10.0)"),
+    # Serve's own refusals name the deployment (a null blamed "args.autoscaling_config")
+    ({}, [{"name": "Ingress", "autoscaling_config": {"look_back_period_s": None}}],
+     "deployments: Ingress's autoscaling_config: look_back_period_s: Input should be a valid number"),
+    ({}, [{"name": "DiTReplica", "autoscaling_config": {"look_back_period_s": -1}}],
+     "deployments: DiTReplica's autoscaling_config: look_back_period_s: Input should be greater than 0"),
 ])
 def test_a_look_back_period_no_longer_than_a_metrics_interval_is_refused(args, deployments, said):
     """Serve averages the queue over ``look_back_period_s`` of reports sent every

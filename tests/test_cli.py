@@ -711,7 +711,7 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a["args"].update(acceleration={"torch_compile": True, "compile_backend": "indcutor"}),
      "args.acceleration.compile_backend: torch 2"),
     (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {"look_back_period_s": 5}}]),
-     "DiTReplica's autoscaling_config.look_back_period_s (5) must be greater than metrics_interval_s (10.0)"),
+     "DiTReplica's autoscaling_config.look_back_period_s (5.0) must be greater than metrics_interval_s (10.0)"),
     (lambda c, a: a["args"].update(limits={"default_size": "512x512", "max_pixels": 4096}),
      "default_size 512x512 is 262144 pixels > max_pixels 4096"),
 ])
@@ -740,6 +740,11 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     ("DITSERVE_CFG_GATE_STEP", "7", "DITSERVE_CFG_GATE_STEP='7' (the acceleration.cfg_gate_step default)"),
     ("DITSERVE_CFG_GATE_STEP", "soon", "DITSERVE_CFG_GATE_STEP='soon': could not convert"),
     ("DITSERVE_ATTENTION_BACKEND", "flash", "DITSERVE_ATTENTION_BACKEND='flash' (the acceleration.attention_backend"),
+    # a check across fields (helper-36's review: "args: Value error, ...", no variable named)
+    ("DITSERVE_ATTENTION_BACKEND", "fa", "with DITSERVE_ATTENTION_BACKEND='fa' set in the environment (the file "
+                                         "alone passes); args: Value error, acceleration.attention_backend='fa'"),
+    ("DITSERVE_ENABLE_CACHE_DIT", "maybe", "DITSERVE_ENABLE_CACHE_DIT='maybe': must be true or false"),  # was false
+    ("DITSERVE_TORCH_COMPILE", "2", "DITSERVE_TORCH_COMPILE='2': must be true or false"),
 ])
 def test_a_bad_acceleration_variable_is_named(tmp_path, capsys, monkeypatch, var, value, said):
     """A ``DITSERVE_*`` variable's value the config refuses names the variable (helper-32's review:
@@ -753,6 +758,24 @@ def test_a_bad_acceleration_variable_is_named(tmp_path, capsys, monkeypatch, var
     assert main(["serve", "--config", str(path), "--check"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err, err
+
+
+def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
+    """Both named, each where it comes from (helper-36's review: the file's error was dropped)."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    monkeypatch.setenv("DITSERVE_CFG_GATE_STEP", "2")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(lambda c, a: a["args"].update(acceleration={"bogus": 1}))))
+    assert main(["serve", "--config", str(path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "DITSERVE_CFG_GATE_STEP='2' (the acceleration.cfg_gate_step default)" in err, err
+    assert "args.acceleration.bogus: Extra inputs are not permitted" in err, err
+    monkeypatch.delenv("DITSERVE_CFG_GATE_STEP")
+    assert main(["serve", "--config", str(path), "--check"]) == 1  # without it: pydantic's, as before
+    assert "bad application args: args.acceleration.bogus: Extra inputs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))

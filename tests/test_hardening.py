@@ -202,6 +202,9 @@ def test_lists_of_objects_sent_by_the_sdk_as_form_fields_decode_to_the_body_sent
     # a list of values and a list of objects at once said "'lora[]' is given more than once"
     ([("lora[]", "a"), ("lora[][name]", "a")], "lora", r"given both as a list of objects \(lora\[\]\[name\]\)"),
     ([("lora", '[{"name": "a"}]'), ("lora[][name]", "b")], "lora", "send it one way"),
+    ([("lora", "null"), ("lora[][name]", "b")], "lora", "given both as a list of objects"),  # was "more than once"
+    # was silently one list of both (the other order: "given more than once")
+    ([("lora", '[{"name": "a"}]'), ("lora[]", '{"name": "b"}')], "lora", "lora is given whole and item by item"),
     ([("lora[][b]", "1"), ("lora[][b][c]", "2")], "lora", "mixes a value and an object"),
     ([("prompt", "a"), ("prompt", "b")], "prompt", "given more than once"),
     ([("prompt", "a"), ("seed", "1"), ("seed", "1")], "seed", "given more than once"),

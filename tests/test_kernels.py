@@ -159,6 +159,11 @@ def test_the_cpu_sdpa_processor_is_torch_sdpa_and_its_lse_merges_exactly(dtype):
         merged, merged_lse = update_out_and_lse(merged, merged_lse, block_out, block_lse)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert (merged.to(dtype).float() - out.float()).abs().max() <= tolerance
+    # a strided last dimension (the op reads it as contiguous; helper-36's review: error 2.2)
+    wide = torch.randn(2, 40, 4, 32, dtype=dtype)
+    strided, _ = cpu_sdpa_attention(wide[..., ::2], k, v, softmax_scale=0.3)
+    same, _ = cpu_sdpa_attention(wide[..., ::2].contiguous(), k, v, softmax_scale=0.3)
+    assert torch.equal(strided, same)
 
 
 def test_kernels_without_mask_support_are_refused_for_masked_models():
