@@ -240,6 +240,32 @@ def test_priority_defaults_per_route_and_stays_out_of_the_signature():
     assert BatchSignature.of(interactive) == BatchSignature.of(batch)
 
 
+def test_a_400_lists_the_checks_across_fields_with_a_fields_own_error():
+    """pydantic runs the checks across fields only once every field passed: a size the ranks
+    cannot split was not named beside another bad field (helper-37's review), nor was
+    ``partial_images`` without ``stream`` or a frame count off the VAE's grid. They are listed,
+    also when a required field failed; one naming a failed field is left out (it could only
+    hold because that field fell back to its default)."""
+    two = dataclasses.replace(LIMITS, world_size=2)
+
+    def said(body, limits=two, validate=validate_image_request):
+        with pytest.raises(InvalidRequestError) as info:
+            validate(body, limits)
+        return str(info.value), info.value.param
+
+    message, param = said({"prompt": "x", "size": "24x24", "cfg_gate_step": 0})
+    assert param == "cfg_gate_step" and "cfg_gate_step" in message and "9 latent tokens" in message, message
+    message, _ = said({"prompt": 5, "size": "24x24"})  # a required field failed too
+    assert "prompt" in message and "9 latent tokens" in message, message
+    message, _ = said({"prompt": "x", "n": 0, "partial_images": 2})
+    assert "n must be between" in message and "partial_images: previews are sent only with stream" in message
+    message, _ = said({"prompt": "x", "stream": "perhaps", "partial_images": 2})  # names stream: left out
+    assert "stream" in message and "previews are sent only" not in message, message
+    message, _ = said({"prompt": "x", "seed": "s", "num_frames": 8}, VIDEO, validate_video_request)
+    assert "seed" in message and "num_frames must be 4·k + 1" in message, message
+    validate_image_request({"prompt": "x", "size": "24x16"}, two)  # and nothing when all is well
+
+
 def test_sizes_must_split_across_the_ranks_unless_the_model_pads_its_sequence():
     """2 ranks, 24x16 at factor 8: 3 x 2 = 6 tokens split; 24x24: 9 tokens do not. A model
     that pads its split sequence to a multiple of 32 (Z-Image) splits any size across 2."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -404,7 +405,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
     try:
         request = model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
+        errors = exc.errors(include_url=False) + checks_across_fields(model_class, body, exc, limits)
         described = [describe_error(e, model_class) for e in errors[:MAX_ERRORS_LISTED]]
         message = "; ".join(m for _, m in described)
         if len(errors) > MAX_ERRORS_LISTED:
@@ -412,6 +413,34 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         raise InvalidRequestError(message, param=described[0][0], code="invalid_value") from None
     check_loras(request, model_adapter(request.model, limits), limits)  # also a model given in extra_body
     return request
+
+
+REQUIRED_STAND_INS = {"prompt": "a", "image": b"a"}  # for checks_across_fields
+
+
+def checks_across_fields(model_class: type[BaseModel], body: dict, exc: ValidationError,
+                         limits: ServingLimits) -> list[dict]:
+    """The errors of ``model_class``'s checks across fields (its ``mode="after"`` validators:
+    a size the ranks cannot split, ``partial_images`` without ``stream``, ...) that ``exc``
+    lacks because pydantic runs them only once every field passed: the body without the
+    fields ``exc`` names is validated again, and its model-level errors that name none of those
+    fields are kept (one naming a dropped field may only hold because that field fell back to
+    its default). So a 400 lists every reason, not only the fields' own."""
+    bad = {str(e["loc"][0]) for e in exc.errors(include_url=False) if e.get("loc")}
+    required = {name for name, field in model_class.model_fields.items() if field.is_required()}
+    if not bad or not (bad & required) <= REQUIRED_STAND_INS.keys():
+        return []
+    # a required field that failed stands in as a value its own check passes (nothing across
+    # fields reads it: checks that name it are dropped below)
+    rest = {key: value for key, value in body.items() if key not in bad}
+    rest.update({name: REQUIRED_STAND_INS[name] for name in bad & required})
+    try:
+        model_class.model_validate(rest, context={"limits": limits})
+    except ValidationError as again:
+        named = re.compile(r"\b(?:" + "|".join(re.escape(field) for field in sorted(bad)) + r")\b")
+        return [e for e in again.errors(include_url=False)
+                if not e.get("loc") and not named.search(e.get("msg", ""))]
+    return []
 
 
 def served_models(limits: ServingLimits) -> str:
