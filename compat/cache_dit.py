@@ -4,6 +4,12 @@ A mounted transformer carries cache-dit's context manager as the instance attrib
 ``_context_manager``; its contexts live in ``_cached_context_manager``. ditserve reads them to
 tell whether a transformer is mounted, to read the live context config (tests), and to advance
 a separate-CFG context's call parity when CFG gating skips a guiding forward.
+
+On several ranks cache-dit averages its cache decision's statistic with
+``torch.distributed.all_reduce`` over the default group (every rank of the replica), through
+the module global ``dist`` of ``cache_manager``. Under CFG parallelism that mixed the two
+branches into one decision; :func:`reduce_decisions_over` points it at the rank's
+sequence-parallel group instead.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ RELIES_ON = (
     Reliance("cache_dit.caching.cache_contexts.cache_context", "CachedContext.mark_step_begin",
              "advancing a context one call"),
     Reliance("cache_dit.caching.cache_contexts.cache_context", "CachedContext", "context configs"),
+    Reliance("cache_dit.caching.cache_contexts.cache_manager", "dist", "the group cache decisions are reduced over"),
 )
 
 
@@ -48,3 +55,39 @@ def advance_one_call(transformer) -> None:
     separate-CFG context tells the conditional and guiding calls apart by parity."""
     for context in contexts(transformer):
         context.mark_step_begin()
+
+
+class _GroupDistributed:
+    """``torch.distributed`` as cache-dit's ``cache_manager`` calls it, with ``all_reduce``
+    over ``group`` where the caller names none (nothing to do on a group of one rank)."""
+
+    def __init__(self, group, size: int):
+        self._group = group
+        self._size = size
+
+    def __getattr__(self, name):
+        import torch.distributed
+
+        return getattr(torch.distributed, name)
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        import torch.distributed
+
+        if group is None and self._size == 1:
+            return None
+        op = torch.distributed.ReduceOp.SUM if op is None else op
+        return torch.distributed.all_reduce(tensor, op=op, group=group or self._group, async_op=async_op)
+
+
+def reduce_decisions_over(group, size: int) -> None:
+    """Make cache-dit reduce its cache decision's statistic over ``group`` (``size`` ranks: a
+    replica rank's sequence-parallel group, DESIGN "Acceleration state") instead of every rank
+    of the process group. Process-wide (one replica rank per process). Under CFG parallelism
+    each CFG group then decides for its own branch, as one rank decides each branch
+    (``enable_separate_cfg``); the ranks sharing a sequence still decide together."""
+    try:
+        from cache_dit.caching.cache_contexts import cache_manager
+    except ImportError as exc:
+        raise CompatError(f"cache-dit's cache_manager module is gone ({exc}); ditserve is tested with "
+                          f"cache-dit{TESTED}") from None
+    cache_manager.dist = _GroupDistributed(group, size)

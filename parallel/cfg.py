@@ -11,12 +11,15 @@ denoising step (``pipeline.loop.denoise_batch`` calls :meth:`CfgParallel.step`):
   the groups (``torch.tensor_split``: group 0 takes the larger half) and all-gathered; a batch
   of one sample runs on group 0 alone and is broadcast to group 1 (counted as ``lone``);
 - **lockstep** (the batch runs Cache-DiT, or the weights are FSDP-sharded across the
-  replica): every rank must make the same collective calls per step (cache-dit all-reduces
-  its cache decision over the whole process group, so every rank decides the same; FSDP
-  all-gathers each block's weights over it). Unguided steps then run whole on both groups
-  (group 0's prediction is broadcast), and after the CFG gate group 1 keeps making its
-  guiding forward, unused, so its Cache-DiT context stays in step; the loop reuses the gate's
-  delta exactly as on one rank.
+  replica): both groups make a forward every step. Unguided steps run whole on both groups
+  (group 0's prediction is broadcast), so each group's Cache-DiT context sees every step, and
+  after the CFG gate group 1 keeps making its guiding forward, unused; the loop reuses the
+  gate's delta exactly as on one rank. Each CFG group decides Cache-DiT for its own branch, as
+  one rank decides each branch of a separate-CFG batch: cache-dit's decision statistic is
+  reduced over the group's sequence-parallel ranks only (:func:`sequence_parallel_group`,
+  ``compat.cache_dit.reduce_decisions_over``). With FSDP-sharded weights every rank gathers
+  each block's weights over every rank, so there all ranks keep one decision (cache-dit's
+  reduce over the whole process group) and a Cache-DiT batch is not equal to one rank's.
 
 Every rank ends each step with the same predictions, so the scheduler steps agree everywhere
 and rank 0 decodes alone. Predictions travel in the transformer's dtype (``family.dtype``: what
@@ -30,6 +33,17 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
+
+
+def sequence_parallel_group(config, rank: int):
+    """The process group of the ``config.sp_degree`` ranks of ``rank``'s CFG group (None for
+    one rank). Every rank of the replica must call it, at the same point: each CFG group's group
+    is made on every rank (``torch.distributed.new_group``)."""
+    if config.sp_degree == 1:
+        return None
+    groups = [dist.new_group(list(range(c * config.sp_degree, (c + 1) * config.sp_degree)))
+              for c in range(config.cfg_degree)]
+    return groups[rank // config.sp_degree]
 
 
 class CfgStep(str, Enum):

@@ -306,9 +306,15 @@ class BatchRunner:
             if self.state.attention_backend is not None:
                 self.attention.apply(self.attention.prepare(self.state.attention_backend))
         if config.cfg_degree > 1:
-            from parallel.cfg import CfgParallel
+            from compat.cache_dit import reduce_decisions_over
+            from parallel.cfg import CfgParallel, sequence_parallel_group
 
             self.cfg = CfgParallel(mesh["cfg"].get_group(), rank // config.sp_degree)
+            if not config.shard_weights:
+                # each CFG group decides Cache-DiT for its own branch, as one rank does (separate
+                # CFG); sharded weights are gathered by every rank for every block it runs, so
+                # there all ranks keep one decision (cache-dit's own reduce over all of them)
+                reduce_decisions_over(sequence_parallel_group(config, rank), config.sp_degree)
         vae = getattr(self.family.pipe, "vae", None)
         if self.vae_tiling and vae is not None:  # every rank loaded the VAE (components "denoiser+vae")
             from parallel.vae import supports

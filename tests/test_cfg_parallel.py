@@ -114,21 +114,26 @@ def test_torch_compile_under_cfg_parallelism_equals_one_rank(flux_single, ray_cl
             ray.kill(w)
 
 
-def test_cache_dit_runs_in_lockstep_with_the_same_decisions_on_every_rank(flux_cfg):
-    """cache-dit reduces its decision statistic over the whole process group, so both CFG
-    groups (each seeing its own branch) decide the same steps; with the CFG gate group 1 keeps
-    calling its context so the collectives stay in step (no hang)."""
-    key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.5)
+def test_cache_dit_decides_each_branch_as_one_rank_does(flux_single, flux_cfg):
+    """Each CFG group decides Cache-DiT for its own branch, as one rank decides each branch of a
+    separate-CFG batch; the ranks sharing a sequence decide together (DESIGN: the statistic is
+    reduced over the sequence-parallel group). cache-dit reduced it over every rank, so both
+    branches cached the same steps and the image differed from one rank's by up to 43/255
+    (helper-37's review); with the CFG gate group 1 keeps calling its context (no hang)."""
+    key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=1, residual_diff_threshold=0.5)
     for gate in (1.0, 0.5):
-        p = dataclasses.replace(params("a red circle", 3, negative="blurry", true_cfg_scale=3.0, size=(64, 64),
-                                       steps=8), enable_cache_dit=True, cache_dit_params=key, cfg_gate_fraction=gate)
-        out = _run(flux_cfg, batch_of(p))[0]
-        assert np.isfinite(out.images[0]).all()
+        batch = batch_of(*(dataclasses.replace(params("a red circle on a blue background", 7 + i, negative="a green square",
+                                                      true_cfg_scale=4.0, size=(64, 64), steps=6),
+                                               enable_cache_dit=True, cache_dit_params=key, cfg_gate_fraction=gate)
+                           for i in range(2)))
+        _close(flux_single.denoise(batch), _run(flux_cfg, batch)[0])
         stats = ray.get([w.cache_stats.remote() for w in flux_cfg])
-        assert all(s["cached_steps"] == stats[0]["cached_steps"] for s in stats)
-        assert all(s["residual_diffs"] == stats[0]["residual_diffs"] for s in stats)
+        half = len(stats) // 2  # the CFG groups: ranks [0, half) and [half, 2 half)
+        for group in (stats[:half], stats[half:]):
+            assert all(s == group[0] for s in group)
+        assert stats[0]["cached_steps"] != stats[half]["cached_steps"]  # this prompt: the branches differ
     counters = ray.get(flux_cfg[0].counters.remote())
-    assert counters["cfg_parallel_lockstep_steps"] >= 4
+    assert counters["cfg_parallel_lockstep_steps"] >= 2
 
 
 @pytest.mark.parametrize("dual", ["boundary", "paired"])
