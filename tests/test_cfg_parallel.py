@@ -152,6 +152,12 @@ def test_wan_guided_video_with_two_transformers_equals_one_rank(ray_cluster, dua
         out = _run(workers, batch)[0]
         assert out.calls == single.calls
         _close(single, out)
+        # Cache-DiT, its own knobs for the second transformer (refused for paired transformers
+        # under CFG parallelism while both groups took one decision; helper-38's review)
+        secondary = {"max_warmup_steps": 2, "residual_diff_threshold": 0.05} if dual == "paired" else None
+        key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=1, residual_diff_threshold=0.5, secondary=secondary)
+        cached = batch_of(*(dataclasses.replace(p, enable_cache_dit=True, cache_dit_params=key) for p in batch.requests))
+        _close(runner.denoise(cached), _run(workers, cached)[0])
     finally:
         for w in workers:
             ray.kill(w)

@@ -244,8 +244,8 @@ def test_a_400_lists_the_checks_across_fields_with_a_fields_own_error():
     """pydantic runs the checks across fields only once every field passed: a size the ranks
     cannot split was not named beside another bad field (helper-37's review), nor was
     ``partial_images`` without ``stream`` or a frame count off the VAE's grid. They are listed,
-    also when a required field failed; one naming a failed field is left out (it could only
-    hold because that field fell back to its default)."""
+    also when a required field, an unknown one or one in ``extra_body`` failed, unless a field
+    they read failed (its default would stand in for what the caller meant; helper-38's review)."""
     two = dataclasses.replace(LIMITS, world_size=2)
 
     def said(body, limits=two, validate=validate_image_request):
@@ -257,10 +257,16 @@ def test_a_400_lists_the_checks_across_fields_with_a_fields_own_error():
     assert param == "cfg_gate_step" and "cfg_gate_step" in message and "9 latent tokens" in message, message
     message, _ = said({"prompt": 5, "size": "24x24"})  # a required field failed too
     assert "prompt" in message and "9 latent tokens" in message, message
-    message, _ = said({"prompt": "x", "n": 0, "partial_images": 2})
-    assert "n must be between" in message and "partial_images: previews are sent only with stream" in message
-    message, _ = said({"prompt": "x", "stream": "perhaps", "partial_images": 2})  # names stream: left out
+    message, _ = said({"prompt": "x", "seed": -1, "partial_images": 2})
+    assert "seed" in message and "partial_images: previews are sent only with stream" in message, message
+    message, _ = said({"prompt": "x", "stream": "perhaps", "partial_images": 2})  # a field they read: left out
     assert "stream" in message and "previews are sent only" not in message, message
+    for odd in ({"a": 1}, {"the": 1}, {"": 1}, {"extra_body": {"seed": "s"}}):  # each hid the split error
+        message, _ = said({"prompt": "x", "size": "24x24", **odd})
+        assert "9 latent tokens" in message, (odd, message)
+    many = {f"k{i}" + "x" * 5000: 1 for i in range(200)}  # long unknown keys: no work grows with them
+    message, _ = said({"prompt": "x", "size": "24x24", **many})
+    assert "more problems" in message and len(message) < 2000  # keys echoed cut short (each was 5000 long)
     message, _ = said({"prompt": "x", "seed": "s", "num_frames": 8}, VIDEO, validate_video_request)
     assert "seed" in message and "num_frames must be 4·k + 1" in message, message
     validate_image_request({"prompt": "x", "size": "24x16"}, two)  # and nothing when all is well

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -107,7 +106,7 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
 def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int | None) -> list[str]:
     """What in ``cache_dit_params`` does not fit the model and a run of ``steps`` denoising
     steps (None: the steps are not known yet, only the model is checked): ``secondary`` only
-    for models with two transformers (and not for paired ones under CFG parallelism), Fn + Bn
+    for models with two transformers, Fn + Bn
     within the model's blocks (an unset ``Fn_compute_blocks`` is cache-dit's default, 8:
     cache-dit asserts each within the blocks), then :func:`step_problems`. One message per
     problem."""
@@ -115,12 +114,6 @@ def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int
     if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
         problems.append("cache_dit_params.secondary is only for models with two transformers; "
                         f"{limits.model_name!r} has one")
-    elif params.secondary is not None and limits.dual_mode == DualMode.PAIRED and limits.cfg_degree > 1:
-        # the two transformers run on the two CFG groups at once, and cache-dit's decisions are one
-        # all-reduce over both: their knobs must call it at the same steps (parallel.cfg)
-        problems.append("cache_dit_params.secondary cannot be set on this replica: its paired transformers "
-                        "run in parallel (parallel.cfg_degree=2) and share every Cache-DiT decision; give "
-                        "the knobs once, for both")
     if limits.num_blocks:
         for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
             knobs = params.for_transformer(name)
@@ -347,11 +340,11 @@ def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
         return (field if field in model.model_fields or field == "extra_body" else "body"), message
     top, path = str(loc[0]), ".".join(str(p) for p in loc)
     if error.get("type") == "extra_forbidden":
-        if len(loc) == 1:
-            return top, f"unknown field {top!r}"
+        if len(loc) == 1:  # keys are echoed cut short, as values are
+            return top[:40], f"unknown field {shown(top)}"
         allowed = _fields_at(model, loc[:-1]) or {}
         parent = ".".join(str(p) for p in loc[:-1])
-        return top, f"{parent} has unknown key {str(loc[-1])!r}; allowed: {', '.join(allowed)}"
+        return top[:40], f"{parent[:80]} has unknown key {shown(str(loc[-1]))}; allowed: {', '.join(allowed)}"
     if message.startswith((path, top)):
         return top, message
     return top, f"{path}: {message}"
@@ -422,24 +415,28 @@ def checks_across_fields(model_class: type[BaseModel], body: dict, exc: Validati
                          limits: ServingLimits) -> list[dict]:
     """The errors of ``model_class``'s checks across fields (its ``mode="after"`` validators:
     a size the ranks cannot split, ``partial_images`` without ``stream``, ...) that ``exc``
-    lacks because pydantic runs them only once every field passed: the body without the
-    fields ``exc`` names is validated again, and its model-level errors that name none of those
-    fields are kept (one naming a dropped field may only hold because that field fell back to
-    its default). So a 400 lists every reason, not only the fields' own."""
-    bad = {str(e["loc"][0]) for e in exc.errors(include_url=False) if e.get("loc")}
-    required = {name for name, field in model_class.model_fields.items() if field.is_required()}
-    if not bad or not (bad & required) <= REQUIRED_STAND_INS.keys():
+    lacks because pydantic runs them only once every field passed, so a 400 lists every reason,
+    not only the fields' own. Only when no field those checks read failed
+    (``model_class.CROSS_CHECKED_FIELDS``): the body without the failed fields (top level and in
+    ``extra_body``; a failed required field replaced by a stand-in its own check passes, which
+    no check across fields reads) is validated again and its model-level errors are listed.
+    Had a field they read failed, its default would stand in for the value the caller meant,
+    and a check could report a problem the request does not have (a bad ``mask`` turning an
+    inpaint into image-to-image)."""
+    failed = {str(e["loc"][0]) for e in exc.errors(include_url=False) if e.get("loc")}
+    fields = model_class.model_fields
+    required = {name for name, field in fields.items() if field.is_required()}
+    read = getattr(model_class, "CROSS_CHECKED_FIELDS", frozenset())
+    if not failed or failed & read or not (failed & required) <= REQUIRED_STAND_INS.keys():
         return []
-    # a required field that failed stands in as a value its own check passes (nothing across
-    # fields reads it: checks that name it are dropped below)
-    rest = {key: value for key, value in body.items() if key not in bad}
-    rest.update({name: REQUIRED_STAND_INS[name] for name in bad & required})
+    rest = {key: value for key, value in body.items() if key not in failed}
+    if isinstance(rest.get("extra_body"), dict):
+        rest["extra_body"] = {key: value for key, value in rest["extra_body"].items() if key not in failed}
+    rest.update({name: REQUIRED_STAND_INS[name] for name in failed & required})
     try:
         model_class.model_validate(rest, context={"limits": limits})
     except ValidationError as again:
-        named = re.compile(r"\b(?:" + "|".join(re.escape(field) for field in sorted(bad)) + r")\b")
-        return [e for e in again.errors(include_url=False)
-                if not e.get("loc") and not named.search(e.get("msg", ""))]
+        return [e for e in again.errors(include_url=False) if not e.get("loc")]
     return []
 
 

@@ -53,6 +53,8 @@ class ImageEditRequest(ImageGenerationRequest):
     """
 
     steps_follow_strength: ClassVar[bool] = True
+    CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = ImageGenerationRequest.CROSS_CHECKED_FIELDS | {
+        "mask", "strength", "num_inference_steps", "cache_dit_params"}  # _mode's
 
     image: bytes | list[bytes] = Field(repr=False)
     mask: bytes | None = Field(default=None, repr=False)

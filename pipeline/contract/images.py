@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -29,6 +29,10 @@ class ImageGenerationRequest(GenerationRequest):
     :func:`validate_image_request`, which applies the served model's limits and reports every
     problem at once.
     """
+
+    # the fields this model's checks across fields read (pipeline.contract.base.checks_across_fields)
+    CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"size", "n", "stream", "partial_images", "output_format", "output_compression"})
 
     n: int = 1
     response_format: str = "b64_json"

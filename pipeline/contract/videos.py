@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
@@ -33,6 +33,9 @@ class VideoGenerationRequest(GenerationRequest):
     becomes the first frame (image-to-video, on models that serve it: Wan 2.2-style latent
     conditioning); it is scaled to cover ``size`` and centre-cropped.
     """
+
+    # the fields this model's checks across fields read (pipeline.contract.base.checks_across_fields)
+    CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = frozenset({"size", "seconds", "num_frames", "fps"})
 
     seconds: int | str | None = None
     num_frames: int | None = None
