@@ -371,7 +371,7 @@ class BatchRunner:
         schedule = plan_batch(self.family, head)
         self.prepare_state(batch.batch_id, head, schedule)
         caching = any(key is not None for _, key in self.state.cache_dit)
-        if self.cfg is not None:  # see parallel.cfg: lockstep when every rank must make the same collectives
+        if self.cfg is not None:  # see parallel.cfg: lockstep for sharded weights (same collectives) and Cache-DiT
             self.cfg.lockstep = self.parallel.shard_weights or caching
         stop, gone = self.boundary_checks(batch, should_stop, requests_gone)
         if caching:
