@@ -29,7 +29,7 @@ import pydantic
 import yaml
 
 from compat.ray_serve import gcs_refusal
-from deployments.config import app_config, validation_line
+from deployments.config import validation_line
 from deployments.proxy import install as install_proxy_middleware
 from pipeline.contract.text import shown
 from parallel.groups import free_port
@@ -226,17 +226,16 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
     except ImportError as exc:  # an autoscaling_config policy (or another import path) Serve cannot import
         raise CannotStart(f"bad config: {_import_problem(exc)}") from None
-    _check_compile_backend(app_config(args))
+    _check_compile_backend((args.get("acceleration") or {}).get("compile_backend", "inductor"))  # args passed
     return app
 
 
-def _check_compile_backend(config) -> None:
+def _check_compile_backend(backend: str) -> None:
     """Raise :class:`CannotStart` for an ``acceleration.compile_backend`` this torch's
     ``torch.compile`` does not have (each replica's start failed on it, after the cluster started).
     Only the name is checked: a registered backend whose package is missing (``tvm``,
     ``openxla``) fails at the replicas' start, on their machines. Imports torch only for a
     backend other than the default ``inductor``."""
-    backend = config.acceleration.compile_backend
     if backend == "inductor":
         return
     import torch

@@ -353,13 +353,11 @@ def app_config(args: dict, environ=os.environ) -> "AppConfig":
         raise ValueError("; ".join(said)) from None
 
 
-def look_back_problem(look_back_period_s, metrics_interval_s) -> str | None:
+def look_back_problem(look_back_period_s: float, metrics_interval_s: float) -> str | None:
     """Why an autoscaling ``look_back_period_s`` (s) cannot average ``metrics_interval_s``' (s)
     reports, or ``None``: it must be longer than one interval (Ray Serve's ``AutoscalingConfig``
     warns today that it will refuse this; its FutureWarning reached ``--check``'s output)."""
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (look_back_period_s,
-                                                                                     metrics_interval_s))
-    if numbers and look_back_period_s <= metrics_interval_s:
+    if look_back_period_s <= metrics_interval_s:
         return (f"look_back_period_s ({look_back_period_s}) must be greater than metrics_interval_s "
                 f"({metrics_interval_s}): the queue is averaged over more than one metrics report")
     return None

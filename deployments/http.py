@@ -244,6 +244,7 @@ def check_multipart_ends(content_type: str, raw: bytes) -> None:
                                   "short, and its last part would be lost", param="body", code="invalid_form")
 
 
+_ABSENT = object()  # a form path given no value
 _FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 # kept as text, never read as JSON (a prompt "123", an adapter named "1"); keys as the SDK writes them
 _FORM_TEXT_FIELDS = {"prompt", "negative_prompt", "model", "size", "user", "safety_identifier", "seconds",
@@ -318,13 +319,10 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
                                       "in one field", param=path[0], code="invalid_form")
         lists.setdefault(tuple(path[:at]), {}).setdefault(tuple(path[at + 1:]), []).append(value)
     for at, fields in lists.items():
-        node, given = body, True
+        node = body
         for part in at:
-            given = isinstance(node, dict) and part in node
-            node = node[part] if given else None
-            if not given:
-                break
-        if given:  # also given as a value or a list of values (lora[]=a, lora=null with lora[][name]=b)
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:  # also given as a value or a list of values (lora[]=a, lora=null with lora[][name]=b)
             item_fields = ", ".join(f"{_form_name(at)}[]{_form_name(('', *field))}" for field in fields)
             raise InvalidRequestError(f"{_form_name(at)}: given both as a list of objects ({item_fields[:120]}) and "
                                       f"as {_form_name(at)} or {_form_name(at)}[]; send it one way",
