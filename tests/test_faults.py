@@ -16,7 +16,7 @@ from tests.helpers import batch_of, flux_params, pixels, post, router_stats, wai
 
 pytestmark = pytest.mark.slow
 
-SP2 = {"parallel": {"ulysses_degree": 2}, "limits": {"max_pixels": 256 * 256},
+SP2 = {"parallel": {"ulysses_degree": 2}, "limits": {"max_pixels": 256 * 256, "max_steps": 300},
        "replica": {"torch_threads": 1, "health_check_period_s": 0.5, "health_check_timeout_s": 1.0}}
 LONG = {"prompt": "a long one", "seed": 1, "num_inference_steps": 40, "size": "256x256"}
 # one single-rank replica whose batches of 97 steps fail after step 90 (rank 0's injected fault)
@@ -67,8 +67,10 @@ def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
     base = router_stats(url)["counters"]
     blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 2})  # both queue behind it
     wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    leaving = handle.generate.remote({**LONG, "prompt": "leaves first", "seed": 4, "num_inference_steps": 100})
-    running = handle.generate.remote({**LONG, "num_inference_steps": 100})
+    # 300 steps (~20 s of a batch of 2 here; it stops ~3 s in): 100 steps left a margin of 2x over
+    # the fixed sleeps below
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves first", "seed": 4, "num_inference_steps": 300})
+    running = handle.generate.remote({**LONG, "num_inference_steps": 300})
     wait_until(lambda: router_stats(url)["queued"] == 2)
     blocker.result(timeout_s=600)
     wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
@@ -78,9 +80,9 @@ def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
     running.cancel()  # nobody is left: the batch stops
     wait_until(lambda: counted(url, base)["cancelled_running"] == 1, timeout=60)
     counters = counted(url, base)
-    assert 0 < counters["steps_saved"] < 100
+    assert 0 < counters["steps_saved"] < 300
     # the request dropped before the stop is counted as dropped (it was lost with the stopped batch)
-    assert counters["cancelled_running_requests"] == 1 and 0 < counters["sample_steps_saved"] < 100
+    assert counters["cancelled_running_requests"] == 1 and 0 < counters["sample_steps_saved"] < 300
     started = time.monotonic()
     again = post(url, quick)
     assert again.status_code == 200 and time.monotonic() - started < 60  # the replica was freed
@@ -98,8 +100,9 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     handle = serve.get_app_handle("ditserve")
     blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
     wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    stays = {**LONG, "prompt": "stays", "seed": 3}
-    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4})
+    # 100 steps (~7 s in a batch of 2 here): 40 steps ended 3 s in, 1 s after the cancel below
+    stays = {**LONG, "prompt": "stays", "seed": 3, "num_inference_steps": 100}
+    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4, "num_inference_steps": 100})
     staying = handle.generate.remote(stays)
     wait_until(lambda: router_stats(url)["queued"] == 2)
     blocker.result(timeout_s=600)
@@ -109,7 +112,7 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     answer = staying.result(timeout_s=600)
     counters = counted(url, base)
     assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
-    assert 0 < counters["sample_steps_saved"] < 40
+    assert 0 < counters["sample_steps_saved"] < 100
     # requests answered with their outputs: the blocker and the one that stayed (the dropped one
     # was counted too, as finished, beside its cancelled_running_requests)
     assert (counters["batches"], counters["requests"]) == (2, 2), counters
@@ -154,8 +157,10 @@ def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_st
     deploy(ONE_RANK_FAULT, fresh=True)
     replica = serve.get_deployment_handle("DiTReplica", "ditserve").options(stream=True)
     for report_steps in (False, True):
-        batch = dataclasses.replace(batch_of(flux_params("unknown", 1, steps=400), batch_id=f"nobody-{report_steps}"),
-                                    report_steps=report_steps)
+        # 256x256 (~30 s if it ran whole; at 64x48 it lasted 2.8 s, near the replica's first ask, 0.25 s
+        # in and not with under 0.5 s left); it stops at the first ask
+        batch = dataclasses.replace(batch_of(flux_params("unknown", 1, steps=400, size=(256, 256)),
+                                             batch_id=f"nobody-{report_steps}"), report_steps=report_steps)
         events = [event for event in replica.run_batch.remote(batch)]
         assert events[0] == {"started": batch.batch_id}
         stopped = events[-1]
@@ -175,8 +180,10 @@ def test_a_batch_that_fails_after_a_request_left_it_still_counts_that_request(de
     handle = serve.get_app_handle("ditserve")
     blocker = handle.generate.remote({"prompt": "first", "seed": 1, "num_inference_steps": 60})
     wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    leaving = handle.generate.remote({"prompt": "leaves", "seed": 4, "num_inference_steps": 97})
-    staying = handle.generate.remote({"prompt": "stays", "seed": 3, "num_inference_steps": 97})
+    # 256x256 (~8 s to the fault here): at 64x64 the batch reached it in 0.6 s, too short for the
+    # replica to ask for its callers (it asks 0.25 s in, and not with under 0.5 s left)
+    leaving = handle.generate.remote({"prompt": "leaves", "seed": 4, "num_inference_steps": 97, "size": "256x256"})
+    staying = handle.generate.remote({"prompt": "stays", "seed": 3, "num_inference_steps": 97, "size": "256x256"})
     wait_until(lambda: router_stats(url)["queued"] == 2)
     blocker.result(timeout_s=600)
     wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)

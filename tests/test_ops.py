@@ -166,11 +166,21 @@ CLIENT = textwrap.dedent("""
         out["timeout"] = {"type": type(exc.cause).__name__, "status": exc.status_code}
     out["after"] = handle.generate.remote(body(0)).result(timeout_s=300).data[0].b64_json
     # a request cancelled while it waits behind a running batch of another signature (steps)
-    running = handle.generate.remote({**body(9), "n": 4, "num_inference_steps": 100, "size": "64x64"})
-    time.sleep(0.5)
+    # (waits on the Router's state, not fixed sleeps: the 100-step 64x64 batch lasted 1.3 s here, and
+    # a machine 1.3x faster ran the "cancelled" request after it)
+    def until(predicate):
+        deadline = time.monotonic() + 120
+        while not predicate(handle.stats.remote().result(timeout_s=60)["router"]):
+            assert time.monotonic() < deadline, handle.stats.remote().result(timeout_s=60)
+            time.sleep(0.02)
+
+    cancelled_before = handle.stats.remote().result(timeout_s=60)["router"]["counters"].get("cancelled", 0)
+    running = handle.generate.remote({**body(9), "n": 4, "num_inference_steps": 100, "size": "128x128"})
+    until(lambda r: r["inflight_batches"] == 1 and r["queued"] == 0)
     queued = handle.generate.remote(body(10))
-    time.sleep(0.5)
+    until(lambda r: r["queued"] == 1)
     queued.cancel()
+    until(lambda r: r["counters"].get("cancelled", 0) == cancelled_before + 1)
     running.result(timeout_s=300)
     lora = handle.generate.remote({**body(8), "lora": [{"name": "magenta"}]}).result(timeout_s=300)
     out["lora"] = lora.ditserve.acceleration.lora.model_dump()

@@ -21,7 +21,7 @@ from parallel.config import ParallelConfig
 from parallel.groups import free_port
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.runner import BatchRunner
-from tests.helpers import batch_of, rank_workers
+from tests.helpers import batch_of, rank_workers, router_stats, wait_until
 from tests.helpers import flux_params as params
 from tests.helpers import video_params
 
@@ -221,6 +221,12 @@ def test_bad_topology_fails_at_startup(ray_cluster):
 
 
 CFG2 = {**SP2, "parallel": {"cfg_degree": 2}}
+
+
+def started(url: str) -> bool:
+    """Whether one batch is in flight and has begun on its replica."""
+    now = router_stats(url)
+    return now["inflight_batches"] == 1 and now["unstarted_batches"] == 0
 SHARDED = {**SP2, "parallel": {"ulysses_degree": 2, "shard_weights": True}}
 
 
@@ -228,8 +234,10 @@ SHARDED = {**SP2, "parallel": {"ulysses_degree": 2, "shard_weights": True}}
 @pytest.mark.parametrize("layout", [SP2, CFG2, SHARDED], ids=["ulysses2", "cfg2", "sharded"])
 def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout):
     url = deploy(layout, fresh=True)
-    slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 40, "size": "256x256", "negative_prompt": "blurry",
-            "true_cfg_scale": 2.0}  # guided: both CFG groups busy
+    # guided: both CFG groups busy; 100 steps (cfg2 ran 40 in 3.0 s, and a fixed 2 s sleep before
+    # the kill would have come after it on a machine 1.4x faster): the kill follows the batch's start
+    slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 100, "size": "256x256", "negative_prompt": "blurry",
+            "true_cfg_scale": 2.0}
     with httpx.Client(timeout=300) as client:
         import threading
 
@@ -237,7 +245,8 @@ def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout)
         thread = threading.Thread(target=lambda: result.setdefault(
             "r", client.post(f"{url}/v1/images/generations", json=slow)))
         thread.start()
-        time.sleep(2.0)
+        wait_until(lambda: started(url), timeout=120)
+        time.sleep(0.5)  # a few steps in
         ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
         assert ranks

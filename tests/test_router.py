@@ -152,7 +152,8 @@ def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_c
         gathering = {**one["batching"], "max_batch_size": 4, "max_wait_ms": 4000}
         _deploy_config(one, gathering)
         wait_until(lambda: stats(url)["batching"]["max_wait_ms"] == 4000, timeout=60)
-        shorter = {**SLOW, "size": "128x128"}  # about 1.5 s: it ends before either queue is ready
+        # about 0.9 s here (both queued 0.2 s in): it ends before either queue is ready
+        shorter = {**SLOW, "size": "128x128"}
         assert _dispatch_order(url, {name: bodies[name] for name in ("b1", "i2")}, shorter) == ["i2", "b1"]
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
@@ -272,7 +273,9 @@ def test_handle_cancel_and_deadline_remove_queued_requests(deploy):
     before = stats(url)["counters"]
     increase = lambda name: stats(url)["counters"].get(name, 0) - before.get(name, 0)  # noqa: E731
     handle = serve.get_app_handle("ditserve")
-    busy = handle.generate.remote({"prompt": "busy", "seed": 1, **SLOW})
+    # LONG (~6 s here): it must outlast a 1 s read timeout and two 0.3 s deadlines with the polls
+    # between them (1.9 s here); SLOW (3.6 s) left a margin under 2x
+    busy = handle.generate.remote({"prompt": "busy", "seed": 1, **LONG})
     wait_until(lambda: stats(url)["inflight_batches"] == 1)
     doomed = handle.generate.remote({"prompt": "cancel me", "seed": 2, **FAST})
     wait_until(lambda: stats(url)["queued"] == 1)
