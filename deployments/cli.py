@@ -29,7 +29,7 @@ import pydantic
 import yaml
 
 from compat.ray_serve import gcs_refusal
-from deployments.config import validation_line
+from deployments.config import AccelerationConfig, validation_line
 from deployments.proxy import install as install_proxy_middleware
 from pipeline.contract.text import shown
 from parallel.groups import free_port
@@ -226,7 +226,8 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
     except ImportError as exc:  # an autoscaling_config policy (or another import path) Serve cannot import
         raise CannotStart(f"bad config: {_import_problem(exc)}") from None
-    _check_compile_backend((args.get("acceleration") or {}).get("compile_backend", "inductor"))  # args passed
+    default = AccelerationConfig.model_fields["compile_backend"].default
+    _check_compile_backend((args.get("acceleration") or {}).get("compile_backend", default))  # args passed
     return app
 
 

@@ -168,12 +168,10 @@ CLIENT = textwrap.dedent("""
     # a request cancelled while it waits behind a running batch of another signature (steps)
     # (waits on the Router's state, not fixed sleeps: the 100-step 64x64 batch lasted 1.3 s here, and
     # a machine 1.3x faster ran the "cancelled" request after it)
-    def until(predicate):
-        deadline = time.monotonic() + 120
-        while not predicate(handle.stats.remote().result(timeout_s=60)["router"]):
-            assert time.monotonic() < deadline, handle.stats.remote().result(timeout_s=60)
-            time.sleep(0.02)
+    from tests.helpers import wait_until
 
+    until = lambda predicate: wait_until(lambda: predicate(handle.stats.remote().result(timeout_s=60)["router"]),
+                                         timeout=120)
     cancelled_before = handle.stats.remote().result(timeout_s=60)["router"]["counters"].get("cancelled", 0)
     running = handle.generate.remote({**body(9), "n": 4, "num_inference_steps": 100, "size": "128x128"})
     until(lambda r: r["inflight_batches"] == 1 and r["queued"] == 0)
