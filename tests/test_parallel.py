@@ -268,9 +268,13 @@ def test_a_rank_killed_while_its_replica_idles_costs_the_next_batch_nothing(depl
     """A rank actor killed between batches: the next batch finds the group broken before any
     step ran, so the replica refuses it (and exits) and the Router requeues it to the
     replacement; the request is answered 200 (it was 500 'batch failed')."""
-    # health checks far apart: the next batch, not a check, finds the dead rank (in CI a check
-    # replaced the replica first, and the request went to the new one without a requeue)
-    url = deploy({**SP2, "replica": {**SP2["replica"], "health_check_period_s": 60.0}}, fresh=True)
+    # The next batch, not a health check, must find the dead rank (in CI a check replaced the
+    # replica first, and the request went to the new one without a requeue). Serve checks a
+    # replica as it starts and then every 0.9-1.1 x health_check_period_s: with 20 s, the first
+    # check after the start comes >= 18 s after it, while this test kills the rank and sends
+    # the batch within ~2 s of the deploy. That check then finds the replica gone and Serve
+    # starts the replacement the requeued batch waits for (with 60 s the test took 66 s).
+    url = deploy({**SP2, "replica": {**SP2["replica"], "health_check_period_s": 20.0}}, fresh=True)
     first = post_ok(url, {"prompt": "before", "seed": 1, "num_inference_steps": 2})
     ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
