@@ -87,3 +87,53 @@ def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser,
     # on the same origin (the Serve proxy's host:port)
     assert browser.execute_script("return sessionStorage.getItem('ditserve_api_key')") == "k1"
     assert browser.execute_script("return localStorage.getItem('ditserve_api_key')") is None
+
+
+def _submit(browser, kind: str, size: str, steps: int) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element(By.ID, "kind")).select_by_value(kind)
+    for field, value in (("size", size), ("steps", str(steps))):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "submit").click()
+
+
+def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_error(deploy, browser):
+    """The page's video path on tiny-wan: the job is polled to completion (its progress shown)
+    and its MP4 plays in a <video> element of the requested size; a job that fails (the fault
+    injection fails any batch at 7 steps) shows the job's error, not a video."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from deployments.faults import FAULT_ENV
+
+    url = deploy({"model": {"name": "tiny-wan"},
+                  "limits": {"default_num_frames": 9, "default_fps": 8, "max_frames": 17, "max_pixels": 96 * 96},
+                  "replica": {"num_replicas": 1, "torch_threads": 2,
+                              "ray_actor_options": {"num_cpus": 2,
+                                                    "runtime_env": {"env_vars": {FAULT_ENV: "steps=7 "}}}}})
+    browser.get(f"{url}/")
+    status = lambda d: d.find_element(By.ID, "status")  # noqa: E731
+    _submit(browser, "video", "64x48", 6)
+    final = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
+    assert final.tag_name == "video"
+    assert browser.find_element(By.ID, "progress").get_attribute("value") == "100"
+    assert status(browser).text == "done" and "error" not in (status(browser).get_attribute("class") or "")
+    assert '"signature": "tiny-wan 64x48' in browser.find_element(By.ID, "metadata").text
+    # the MP4 as the page got it (its blob: URL), read back as the browser received it
+    mp4 = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(arguments[0].src).then((r) => r.arrayBuffer())"
+        ".then((b) => done(Array.from(new Uint8Array(b))), (e) => done(String(e)));", final)
+    from pipeline.media import decode_mp4
+
+    frames, fps = decode_mp4(bytes(mp4))
+    assert frames.shape == (9, 48, 64, 3) and fps == 8
+
+    _submit(browser, "video", "64x48", 7)  # fails at its 7th step
+    WebDriverWait(browser, 120).until(lambda d: "error" in (status(d).get_attribute("class") or ""))
+    assert "failed" in status(browser).text, status(browser).text  # the job's error message ("batch ... failed")
+    assert not browser.find_elements(By.ID, "final")
