@@ -441,23 +441,23 @@ def _why_failed(name: str, exc: RuntimeError) -> str:
 def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     """Undo :func:`start_app`: in a cluster it joined, delete its application (``deployed``)
     and, when it started Serve there and no other application runs, Serve; in one it started,
-    delete the application, then shut Serve down and the cluster (``drain``). Deleting first
-    answers every HTTP request in flight (the running batch finishes, queued requests get 503
+    delete the application (``drain``), then shut the cluster down. Deleting first answers
+    every HTTP request in flight (the running batch finishes, queued requests get 503
     ``unavailable``): ``serve.shutdown()`` alone stops Serve's proxies first, which dropped
-    their connections unanswered. A deploy that never finished has nothing to drain
-    (``drain=False``), and Serve's controller waited its whole 30 s timeout for a replica still
-    being scheduled ("Controller failed to shut down within 30.0s"): that cluster is shut down
-    at once."""
+    their connections unanswered. The cluster's end stops Serve with it: ``serve.shutdown()``
+    there only added the raylet's "Task ServeController.graceful_shutdown failed ... killed by
+    `ray.kill`" line to every ``ditserve demo``. A deploy that never finished has nothing to
+    drain (``drain=False``), and Serve's controller waited its whole 30 s timeout for a replica
+    still being scheduled ("Controller failed to shut down within 30.0s"): that cluster is
+    shut down at once."""
     import ray
     from ray import serve
 
     from compat.ray_serve import delete_app
 
     if not served.joined:
-        if drain:
-            if served.name in serve.status().applications:
-                delete_app(served.name, served.grace_s + DELETE_MARGIN_S)
-            serve.shutdown()
+        if drain and served.name in serve.status().applications:
+            delete_app(served.name, served.grace_s + DELETE_MARGIN_S)
     else:
         if deployed and served.name in serve.status().applications:
             delete_app(served.name, served.grace_s + DELETE_MARGIN_S)
