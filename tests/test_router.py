@@ -384,12 +384,17 @@ def test_shutdown_answers_every_queued_request(deploy):
     is free: when the delete empties the replica set, the Router must not send them off blind
     (such a batch waited in the handle for a replica that never came, until the Ingress
     answered "router unavailable")."""
-    slow = {**SLOW, "num_inference_steps": 180}  # ~9 s here; a grace of 30 s killed it on a slowed CI machine
     url = deploy({**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "graceful_shutdown_timeout_s": 90},
                   "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 60_000,
                                "max_affinity_wait_ms": 60_000},
-                  "limits": {**TWO_REPLICAS["limits"], "max_steps": 200}}, fresh=True)
+                  "limits": {**TWO_REPLICAS["limits"], "max_steps": 1000}}, fresh=True)
     handle = serve.get_app_handle("ditserve")
+    # The busy batch lasts ~10 s on any machine, twice the lease: its steps come from a measured
+    # 20-step batch (a fixed 180 steps took ~9 s here, would have ended within the lease on a
+    # machine 2x faster, and a grace of 30 s killed it on a slowed CI machine)
+    measured = handle.generate.remote({"prompt": "measure", "seed": 0, **SLOW, "num_inference_steps": 20})
+    step_ms = measured.result(timeout_s=120).ditserve.timings_ms["denoise"] / 20
+    slow = {**SLOW, "num_inference_steps": max(20, min(1000, round(10_000 / step_ms)))}
     busy = handle.generate.remote({"prompt": "busy", "seed": 0, **slow})
     wait_until(lambda: running(url, 1))  # begun on its replica (a batch still on its way there dies with it)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **slow}) for i in range(6)]
