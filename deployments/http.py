@@ -479,11 +479,12 @@ class BearerAuth:
 
     @staticmethod
     def _public(scope) -> bool:
-        """The app's own ``/health``, and ``GET`` / ``HEAD`` of the app's root (the static
-        playground page); nothing else (``/v1/videos/health`` reached the Router without a key)."""
+        """``GET`` / ``HEAD`` of the app's own ``/health`` and of its root (the static playground
+        page); nothing else (``/v1/videos/health`` reached the Router without a key, and any
+        other method on ``/health`` was answered 405 without one, where the API answers 401)."""
         path = scope["path"].rstrip("/")
         root = scope.get("root_path", "").rstrip("/")
-        return path == f"{root}/health" or (path == root and scope.get("method") in ("GET", "HEAD"))
+        return path in (root, f"{root}/health") and scope.get("method") in ("GET", "HEAD")
 
     @staticmethod
     def _matches(scope, keys: tuple[bytes, ...]) -> bool:
