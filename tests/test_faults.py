@@ -198,3 +198,28 @@ def test_a_batch_that_fails_after_a_request_left_it_still_counts_that_request(de
     assert counters["failed_batches"] == 1
     assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
     assert 0 < counters["sample_steps_saved"] < 97
+
+
+def test_clients_of_a_killed_router_get_503_with_retry_after_and_the_app_serves_again(deploy):
+    """The Router's actor killed while a batch runs and a request waits in its queue: both HTTP
+    clients get OpenAI's envelope, 503 ``unavailable`` with ``Retry-After`` (never a 500 or a
+    dropped connection), and once Serve has replaced the Router the app answers 200 again."""
+    import ray
+
+    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 2, "ray_actor_options": {"num_cpus": 2}},
+                  "limits": {"max_pixels": 256 * 256, "max_steps": 300}}, fresh=True)
+    with ThreadPoolExecutor(2) as pool:  # 300 steps (SP-free 256x256: over 10 s here); the kill comes ~1 s in
+        running = pool.submit(post, url, {**LONG, "num_inference_steps": 300}, 300)
+        wait_until(lambda: router_stats(url)["inflight_batches"] == 1 and router_stats(url)["unstarted_batches"] == 0)
+        queued = pool.submit(post, url, {**LONG, "num_inference_steps": 5}, 300)  # another signature: it waits
+        wait_until(lambda: router_stats(url)["queued"] == 1)
+        [router] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::") and "#Router#" in a["name"]]
+        ray.kill(ray.get_actor(router["name"], namespace=router["namespace"]), no_restart=False)
+        for answer in (running.result(timeout=120), queued.result(timeout=120)):
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "unavailable" and int(answer.headers["retry-after"]) >= 1
+    deadline = time.monotonic() + 120
+    while (r := post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2})).status_code != 200:
+        assert r.status_code == 503 and time.monotonic() < deadline, r.text  # the Router is being replaced
+        time.sleep(0.5)
