@@ -208,7 +208,7 @@ def test_clients_of_a_killed_router_get_503_with_retry_after_and_the_app_serves_
 
     url = deploy({"replica": {"num_replicas": 1, "torch_threads": 2, "ray_actor_options": {"num_cpus": 2}},
                   "limits": {"max_pixels": 256 * 256, "max_steps": 300}}, fresh=True)
-    with ThreadPoolExecutor(2) as pool:  # 300 steps (SP-free 256x256: over 10 s here); the kill comes ~1 s in
+    with ThreadPoolExecutor(2) as pool:  # 300 steps at 256x256: far longer than the ~1 s to the kill
         running = pool.submit(post, url, {**LONG, "num_inference_steps": 300}, 300)
         wait_until(lambda: router_stats(url)["inflight_batches"] == 1 and router_stats(url)["unstarted_batches"] == 0)
         queued = pool.submit(post, url, {**LONG, "num_inference_steps": 5}, 300)  # another signature: it waits
@@ -223,3 +223,31 @@ def test_clients_of_a_killed_router_get_503_with_retry_after_and_the_app_serves_
     while (r := post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2})).status_code != 200:
         assert r.status_code == 503 and time.monotonic() < deadline, r.text  # the Router is being replaced
         time.sleep(0.5)
+
+
+def test_a_killed_ingress_answers_500_in_the_envelope_and_its_running_batch_stops(deploy):
+    """The Ingress's actor killed while its request's batch runs: Serve's proxy answers the
+    client 500 itself, made OpenAI's envelope by ``deployments.proxy`` (no Serve text); the
+    Router drops the dead Ingress's requests once its lease runs out (5 s), so the batch stops
+    at a step boundary (``cancelled_running``), and the replacement Ingress serves."""
+    import ray
+
+    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 2, "ray_actor_options": {"num_cpus": 2}},
+                  "limits": {"max_pixels": 256 * 256, "max_steps": 1000}}, fresh=True)
+    base = router_stats(url)["counters"]
+    with ThreadPoolExecutor(1) as pool:  # 1000 steps at 256x256: it stops long before its end
+        running = pool.submit(post, url, {**LONG, "num_inference_steps": 1000}, 300)
+        wait_until(lambda: router_stats(url)["inflight_batches"] == 1 and router_stats(url)["unstarted_batches"] == 0)
+        [ingress] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("SERVE_REPLICA::") and "#Ingress#" in a["name"]]
+        ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=False)
+        answer = running.result(timeout=120)
+    assert answer.status_code == 500, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "internal_error" and "retry" in error["message"], error
+    deadline = time.monotonic() + 120
+    while (r := post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2})).status_code != 200:
+        assert r.status_code in (500, 503) and time.monotonic() < deadline, r.text  # the Ingress is being replaced
+        time.sleep(0.5)
+    wait_until(lambda: counted(url, base)["cancelled_running"] == 1, timeout=60)
+    assert counted(url, base)["steps_saved"] > 0
