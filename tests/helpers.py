@@ -94,6 +94,44 @@ def router_stats(url: str) -> dict:
     return httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]
 
 
+def batches_running(url: str, batches: int) -> bool:
+    """Whether ``batches`` batches are in flight and every one has begun on its replica (one
+    read of the Router's stats)."""
+    now = router_stats(url)
+    return now["inflight_batches"] == batches and now["unstarted_batches"] == 0
+
+
+def step_ms(run, steps: int) -> float:
+    """Milliseconds per denoising step: ``run(steps)`` (a batch of ``steps`` steps, returning
+    its ``timings_ms["denoise"]``) run twice, the faster taken (a fresh replica's first batch
+    runs slower). Sizes the batches a test needs to last some seconds on any machine."""
+    return min(run(steps), run(steps)) / steps
+
+
+def steps_lasting(seconds: float, per_step_ms: float, lo: int, hi: int) -> int:
+    """The steps of a batch lasting ``seconds`` at ``per_step_ms``, within [``lo``, ``hi``]."""
+    return max(lo, min(hi, round(seconds * 1000.0 / per_step_ms)))
+
+
+def serve_replica_actor(deployment: str):
+    """The actor of ``deployment``'s (one) Serve replica, e.g. ``"Router"``, to kill."""
+    import ray
+
+    [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::") and f"#{deployment}#" in a["name"]]
+    return ray.get_actor(actor["name"], namespace=actor["namespace"])
+
+
+def post_until_ok(url: str, body: dict, allowed: tuple[int, ...], timeout: float = 120.0) -> httpx.Response:
+    """Post ``body`` every 0.5 s until it is answered 200 (a part being replaced meanwhile);
+    any status not in ``allowed``, or no 200 within ``timeout`` s, is an ``AssertionError``."""
+    deadline = time.monotonic() + timeout
+    while (r := post(url, body)).status_code != 200:
+        assert r.status_code in allowed and time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    return r
+
+
 def wait_until(predicate, timeout: float = 30.0) -> None:
     """Poll ``predicate`` every 50 ms; raise ``AssertionError`` if it is not true within ``timeout`` s."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,8 @@ import pytest
 from ray import serve
 
 from deployments.faults import RANK_FAULT_ENV
-from tests.helpers import batch_of, flux_params, pixels, post, router_stats, wait_until
+from tests.helpers import (TINY_ARGS, batch_of, batches_running, flux_params, pixels, post, post_until_ok, router_stats,
+                           serve_replica_actor, step_ms, steps_lasting, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +45,9 @@ def test_a_batch_longer_than_the_health_check_budget_keeps_its_replica(deploy):
     # The batch lasts ~10 s (ten health-check timeouts) on any machine: its steps come from a
     # measured 10-step batch (a fixed 100 steps took 13-15 s here: 2.6x the 5 s this test needs;
     # 40 unguided steps once took 3 s, shorter than the check)
-    measured = post(url, {**guided, "num_inference_steps": 10}, timeout=600)
-    assert measured.status_code == 200, measured.text
-    step_ms = measured.json()["ditserve"]["timings_ms"]["denoise"] / 10
-    r = post(url, {**guided, "num_inference_steps": max(10, min(300, round(10_000 / step_ms)))}, timeout=600)
+    per_step = step_ms(lambda steps: post(url, {**guided, "num_inference_steps": steps}, timeout=600
+                                          ).json()["ditserve"]["timings_ms"]["denoise"], 10)
+    r = post(url, {**guided, "num_inference_steps": steps_lasting(10.0, per_step, 10, 300)}, timeout=600)
     assert r.status_code == 200, r.text
     # the premise (not a speed target): several health-check timeouts long; only a machine > 8x
     # faster than this one runs the 300 steps SP2 allows in less
@@ -206,48 +206,45 @@ def test_clients_of_a_killed_router_get_503_with_retry_after_and_the_app_serves_
     dropped connection), and once Serve has replaced the Router the app answers 200 again."""
     import ray
 
-    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 2, "ray_actor_options": {"num_cpus": 2}},
-                  "limits": {"max_pixels": 256 * 256, "max_steps": 300}}, fresh=True)
+    url = deploy({**TINY_ARGS, "limits": {"max_pixels": 256 * 256, "max_steps": 300}}, fresh=True)
     with ThreadPoolExecutor(2) as pool:  # 300 steps at 256x256: far longer than the ~1 s to the kill
         running = pool.submit(post, url, {**LONG, "num_inference_steps": 300}, 300)
-        wait_until(lambda: router_stats(url)["inflight_batches"] == 1 and router_stats(url)["unstarted_batches"] == 0)
+        wait_until(lambda: batches_running(url, 1))
         queued = pool.submit(post, url, {**LONG, "num_inference_steps": 5}, 300)  # another signature: it waits
         wait_until(lambda: router_stats(url)["queued"] == 1)
-        [router] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("SERVE_REPLICA::") and "#Router#" in a["name"]]
-        ray.kill(ray.get_actor(router["name"], namespace=router["namespace"]), no_restart=False)
+        ray.kill(serve_replica_actor("Router"), no_restart=False)
         for answer in (running.result(timeout=120), queued.result(timeout=120)):
             assert answer.status_code == 503, answer.text
             assert answer.json()["error"]["code"] == "unavailable" and int(answer.headers["retry-after"]) >= 1
-    deadline = time.monotonic() + 120
-    while (r := post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2})).status_code != 200:
-        assert r.status_code == 503 and time.monotonic() < deadline, r.text  # the Router is being replaced
-        time.sleep(0.5)
+    # the Router being replaced: 503s meanwhile
+    post_until_ok(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2}, allowed=(503,))
 
 
 def test_a_killed_ingress_answers_500_in_the_envelope_and_its_running_batch_stops(deploy):
     """The Ingress's actor killed while its request's batch runs: Serve's proxy answers the
     client 500 itself, made OpenAI's envelope by ``deployments.proxy`` (no Serve text); the
-    Router drops the dead Ingress's requests once its lease runs out (5 s), so the batch stops
-    at a step boundary (``cancelled_running``), and the replacement Ingress serves."""
+    Router drops the dead Ingress's requests once their lease is 5 s old and a caller reaches
+    it (with one Ingress: its replacement, after Serve's next health check of the dead one,
+    every ~10 s), so the batch stops at a step boundary (``cancelled_running``), and the
+    replacement Ingress serves."""
     import ray
 
-    url = deploy({"replica": {"num_replicas": 1, "torch_threads": 2, "ray_actor_options": {"num_cpus": 2}},
-                  "limits": {"max_pixels": 256 * 256, "max_steps": 1000}}, fresh=True)
+    url = deploy({**TINY_ARGS, "limits": {"max_pixels": 256 * 256, "max_steps": 5000}}, fresh=True)
+    per_step = step_ms(lambda steps: post(url, {**LONG, "num_inference_steps": steps}
+                                          ).json()["ditserve"]["timings_ms"]["denoise"], 10)
     base = router_stats(url)["counters"]
-    with ThreadPoolExecutor(1) as pool:  # 1000 steps at 256x256: it stops long before its end
-        running = pool.submit(post, url, {**LONG, "num_inference_steps": 1000}, 300)
-        wait_until(lambda: router_stats(url)["inflight_batches"] == 1 and router_stats(url)["unstarted_batches"] == 0)
-        [ingress] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith("SERVE_REPLICA::") and "#Ingress#" in a["name"]]
-        ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=False)
+    # a batch of ~60 s on any machine: it stops once the Ingress's replacement reaches the Router
+    # (Serve notices the dead one within ~11 s, then starts another)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, url, {**LONG, "num_inference_steps": steps_lasting(60.0, per_step, 100, 5000)},
+                              300)
+        wait_until(lambda: batches_running(url, 1))
+        ray.kill(serve_replica_actor("Ingress"), no_restart=False)
         answer = running.result(timeout=120)
     assert answer.status_code == 500, answer.text
     error = answer.json()["error"]
     assert error["code"] == "internal_error" and "retry" in error["message"], error
-    deadline = time.monotonic() + 120
-    while (r := post(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2})).status_code != 200:
-        assert r.status_code in (500, 503) and time.monotonic() < deadline, r.text  # the Ingress is being replaced
-        time.sleep(0.5)
+    # the Ingress being replaced: the proxy's 500 (sent to the dead one) or 503 meanwhile
+    post_until_ok(url, {"prompt": "after", "seed": 1, "num_inference_steps": 2}, allowed=(500, 503))
     wait_until(lambda: counted(url, base)["cancelled_running"] == 1, timeout=60)
     assert counted(url, base)["steps_saved"] > 0

@@ -19,7 +19,8 @@ from compat.ray_serve import deploy_config
 from deployments.faults import FAULT_ENV, STARTUP_FAULT_ENV
 from pipeline.contract.images import ImageGenerationResponse
 from pipeline.errors import RequestTimeoutError, ServiceUnavailableError
-from tests.helpers import metrics_samples, post, wait_until
+from tests.helpers import batches_running as running
+from tests.helpers import metrics_samples, post, step_ms, steps_lasting, wait_until
 from tests.helpers import router_stats as stats
 
 pytestmark = pytest.mark.slow
@@ -346,15 +347,10 @@ def test_failing_signature_answers_each_request_while_others_flow(deploy):
     assert stats(url)["counters"]["failed_batches"] >= 1
 
 
-def running(url: str, batches: int) -> bool:
-    """Whether ``batches`` batches are in flight and every one has begun on its replica."""
-    now = stats(url)
-    return now["inflight_batches"] == batches and now["unstarted_batches"] == 0
-
-
-def _outcomes_of_a_delete(responses) -> list[str]:
-    """Delete the app and wait for each response: ``"image"``, or ``"503"`` (the Router's
-    answer for work no replica ran: its app is being deleted). Anything else fails."""
+def _outcomes_of_a_delete(responses, images: list | None = None) -> list[str]:
+    """Delete the app and wait for each response: ``"image"`` (its response appended to
+    ``images``), or ``"503"`` (the Router's answer for work no replica ran: its app is being
+    deleted). Anything else fails."""
     deleting = threading.Thread(target=serve.delete, args=("ditserve",))
     deleting.start()
     outcomes = []
@@ -370,6 +366,8 @@ def _outcomes_of_a_delete(responses) -> list[str]:
             assert isinstance(result, ImageGenerationResponse) and len(result.data) == 1
             assert base64.b64decode(result.data[0].b64_json)[:8] == b"\x89PNG\r\n\x1a\n"
             outcomes.append("image")
+            if images is not None:
+                images.append(result)
     deleting.join(timeout=120)
     return outcomes
 
@@ -392,15 +390,19 @@ def test_shutdown_answers_every_queued_request(deploy):
     # The busy batch lasts ~10 s on any machine, twice the lease: its steps come from a measured
     # 20-step batch (a fixed 180 steps took ~9 s here, would have ended within the lease on a
     # machine 2x faster, and a grace of 30 s killed it on a slowed CI machine)
-    measured = handle.generate.remote({"prompt": "measure", "seed": 0, **SLOW, "num_inference_steps": 20})
-    step_ms = measured.result(timeout_s=120).ditserve.timings_ms["denoise"] / 20
-    slow = {**SLOW, "num_inference_steps": max(20, min(1000, round(10_000 / step_ms)))}
+    per_step = step_ms(lambda steps: handle.generate.remote({"prompt": "measure", "seed": 0, **SLOW,
+                                                            "num_inference_steps": steps}
+                                                           ).result(timeout_s=120).ditserve.timings_ms["denoise"], 20)
+    slow = {**SLOW, "num_inference_steps": steps_lasting(10.0, per_step, 20, 1000)}
     busy = handle.generate.remote({"prompt": "busy", "seed": 0, **slow})
     wait_until(lambda: running(url, 1))  # begun on its replica (a batch still on its way there dies with it)
     responses = [handle.generate.remote({"prompt": f"p{i}", "seed": i, **slow}) for i in range(6)]
     wait_until(lambda: stats(url)["queued"] == 6)
-    outcomes = _outcomes_of_a_delete([busy, *responses])
+    images = []
+    outcomes = _outcomes_of_a_delete([busy, *responses], images)
     assert outcomes[0] == "image"  # the running batch finishes
+    # the premise (not a speed target): it outlasted the callers' lease
+    assert images[0].ditserve.timings_ms["denoise"] > 5000.0
     assert outcomes[1:] == ["503"] * 6, outcomes  # queued, never run: every one answered 503
 
 
