@@ -32,6 +32,17 @@ def browser():
     driver.quit()
 
 
+def _submit(browser, kind: str, size: str, steps: int) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element(By.ID, "kind")).select_by_value(kind)
+    for field, value in (("size", size), ("steps", str(steps))):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "submit").click()
+
+
 def test_the_page_is_static_and_fetches_nothing_from_outside(deploy):
     url = deploy(TINY_ARGS)
     page = httpx.get(f"{url}/", timeout=30)
@@ -49,9 +60,7 @@ def test_a_prompt_streams_previews_then_the_image(deploy, browser):
     prompt = browser.find_element(By.ID, "prompt")
     prompt.clear()
     prompt.send_keys("a green star on a black background")
-    browser.find_element(By.ID, "size").clear()
-    browser.find_element(By.ID, "size").send_keys("64x48")
-    browser.find_element(By.ID, "submit").click()
+    _submit(browser, "image", "64x48", 16)
     final = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
     WebDriverWait(browser, 30).until(lambda d: d.execute_script("return arguments[0].complete", final))
     size = browser.execute_script("return [arguments[0].naturalWidth, arguments[0].naturalHeight]", final)
@@ -89,21 +98,10 @@ def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser,
     assert browser.execute_script("return localStorage.getItem('ditserve_api_key')") is None
 
 
-def _submit(browser, kind: str, size: str, steps: int) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
-
-    Select(browser.find_element(By.ID, "kind")).select_by_value(kind)
-    for field, value in (("size", size), ("steps", str(steps))):
-        browser.find_element(By.ID, field).clear()
-        browser.find_element(By.ID, field).send_keys(value)
-    browser.find_element(By.ID, "submit").click()
-
-
 def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_error(deploy, browser):
     """The page's video path on tiny-wan: the job is polled to completion (its progress shown)
     and its MP4 plays in a <video> element of the requested size; a job that fails (the fault
-    injection fails any batch at 7 steps) shows the job's error, not a video."""
+    injection fails any batch of 7 steps before its first) shows the job's error, not a video."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -116,10 +114,15 @@ def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_erro
                               "ray_actor_options": {"num_cpus": 2,
                                                     "runtime_env": {"env_vars": {FAULT_ENV: "steps=7 "}}}}})
     browser.get(f"{url}/")
+    browser.execute_script("sessionStorage.clear()")  # no API key left by another test of this module
+    browser.get(f"{url}/")
     status = lambda d: d.find_element(By.ID, "status")  # noqa: E731
     _submit(browser, "video", "64x48", 6)
     final = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "final")))
     assert final.tag_name == "video"
+    # the browser itself reads the MP4 (H.264): its metadata gives the size
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return arguments[0].readyState >= 1", final))
+    assert browser.execute_script("return [arguments[0].videoWidth, arguments[0].videoHeight]", final) == [64, 48]
     assert browser.find_element(By.ID, "progress").get_attribute("value") == "100"
     assert status(browser).text == "done" and "error" not in (status(browser).get_attribute("class") or "")
     assert '"signature": "tiny-wan 64x48' in browser.find_element(By.ID, "metadata").text
@@ -133,7 +136,7 @@ def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_erro
     frames, fps = decode_mp4(bytes(mp4))
     assert frames.shape == (9, 48, 64, 3) and fps == 8
 
-    _submit(browser, "video", "64x48", 7)  # fails at its 7th step
+    _submit(browser, "video", "64x48", 7)  # the fault injection fails a batch of 7 steps
     WebDriverWait(browser, 120).until(lambda d: "error" in (status(d).get_attribute("class") or ""))
     assert "failed" in status(browser).text, status(browser).text  # the job's error message ("batch ... failed")
     assert not browser.find_elements(By.ID, "final")
