@@ -454,8 +454,8 @@ class AdmissionHeader:
 
 
 class BearerAuth:
-    """ASGI middleware: with keys configured, every route but ``/health`` and the static
-    playground page (``GET /``, whose own API calls carry the key) needs
+    """ASGI middleware: with keys configured, every request but ``GET`` / ``HEAD`` of ``/health``
+    and of the static playground page (``/``, whose own API calls carry the key) needs
     ``Authorization: Bearer <key>`` (OpenAI's header; the SDK's ``api_key``), compared in
     constant time; otherwise 401 in the envelope. ``/docs``, ``/redoc`` and ``/openapi.json``
     are behind it too. Keys come from :func:`load_api_keys` via ``app.state.api_keys``."""
