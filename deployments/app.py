@@ -31,6 +31,11 @@ SHUTDOWN_STEP_S = 5.0  # seconds between the stops of DiTReplica, Router and Ing
 # (Not a tiny queue: Serve counts requests that arrive together and are still being assigned as
 # queued, so it would refuse bursts the Ingress has room for.)
 INGRESS_PROXY_QUEUE = 32
+# Serve sees a dead replica only at its next health check (every 0.9-1.1 x the period): the app's
+# sole Router or Ingress gone, every request fails until then. Serve's default is 10 s; a check
+# of these light actors is one small RPC (the DiTReplica's default, replica.health_check_period_s,
+# is 2 s too).
+ROUTING_HEALTH_CHECK_PERIOD_S = 2.0
 
 
 def admission_limit(config: AppConfig) -> int:
@@ -126,8 +131,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     light = {"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONMALLOC": "malloc"}}}
     return {"DiTReplica": replica,
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S,
-                       "ray_actor_options": light},
-            "Ingress": {"ray_actor_options": light,
+                       "ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S},
+            "Ingress": {"ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S,
                         "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
                         **ingress_slots(admission_limit(config)),
