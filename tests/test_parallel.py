@@ -21,7 +21,7 @@ from parallel.config import ParallelConfig
 from parallel.groups import free_port
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.runner import BatchRunner
-from tests.helpers import batch_of, rank_workers, router_stats, wait_until
+from tests.helpers import batch_of, batches_running, rank_workers, wait_until
 from tests.helpers import flux_params as params
 from tests.helpers import video_params
 
@@ -221,12 +221,6 @@ def test_bad_topology_fails_at_startup(ray_cluster):
 
 
 CFG2 = {**SP2, "parallel": {"cfg_degree": 2}}
-
-
-def started(url: str) -> bool:
-    """Whether one batch is in flight and has begun on its replica."""
-    now = router_stats(url)
-    return now["inflight_batches"] == 1 and now["unstarted_batches"] == 0
 SHARDED = {**SP2, "parallel": {"ulysses_degree": 2, "shard_weights": True}}
 
 
@@ -245,7 +239,7 @@ def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout)
         thread = threading.Thread(target=lambda: result.setdefault(
             "r", client.post(f"{url}/v1/images/generations", json=slow)))
         thread.start()
-        wait_until(lambda: started(url), timeout=120)
+        wait_until(lambda: batches_running(url, 1), timeout=120)
         time.sleep(0.5)  # a few steps in
         ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
