@@ -10,6 +10,7 @@ import threading
 import time
 
 from ray import serve
+from ray.exceptions import ActorDiedError
 from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
@@ -143,9 +144,9 @@ class DiTReplica:
     responsive to health checks. It reports the signature
     of its last batch (its acceleration state) to the request router.
 
-    A replica whose process group a batch broke (a rank died, or ranks failed differently)
-    refuses every later batch at once with ``ReplicaUnavailableError`` (the Router requeues
-    it), reports itself broken to the request router, stops its rank actors and exits, so
+    A replica whose process group a batch broke (a rank died, or ranks failed differently), or
+    whose health check found a rank actor dead, refuses every later batch at once with
+    ``ReplicaUnavailableError`` (the Router requeues it), reports itself broken to the request router, stops its rank actors and exits, so
     Serve replaces it at its next health check (``replica.health_check_period_s``, 2 s by
     default) rather than after repeated failed checks.
     """
@@ -241,12 +242,22 @@ class DiTReplica:
         """Fails (so Serve replaces the whole replica) if a batch broke the group or a rank is
         dead; ranks answer from their control group, also in the middle of a long batch. The
         first one (right after the start's ``reconfigure``) marks the replica as serving: a bad
-        ``user_config`` update is refused from then on (``deployments.live_config``)."""
+        ``user_config`` update is refused from then on (``deployments.live_config``).
+
+        A dead rank actor (``ray.exceptions.ActorDiedError``) breaks the replica at once
+        (:meth:`_break`: it exits, and Serve's next check replaces it), where a failed check
+        alone waits for Serve's three in a row (``REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD``). A
+        rank that does not answer within ``RankGroup.check_alive``'s 10 s is left to those three
+        checks: a rank slowed by a saturated machine must not cost its replica."""
         self._live.started()
         if self._broken:
             raise RuntimeError(self._broken)
         if self._ranks is not None:
-            await self._ranks.check_alive()
+            try:
+                await self._ranks.check_alive()
+            except ActorDiedError as exc:
+                self._break(f"a rank actor died ({type(exc).__name__}), found by a health check")
+                raise
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, polled only when DiTReplica autoscales: the
@@ -309,7 +320,10 @@ class DiTReplica:
 
     def _break(self, reason: str) -> None:
         """Mark the replica unusable, stop its rank actors and exit the process shortly (after
-        the failing batch's answer has left), so Serve replaces it at once."""
+        the failing batch's answer has left), so Serve replaces it at once. Once only: a later
+        call (a batch and a health check can both find the group broken) changes nothing."""
+        if self._broken:
+            return
         self._broken = reason
         logger.error("replica %s is broken: %s; exiting so Serve replaces it", self._replica_id, reason)
         if self._ranks is not None:

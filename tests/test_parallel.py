@@ -21,7 +21,7 @@ from parallel.config import ParallelConfig
 from parallel.groups import free_port
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.runner import BatchRunner
-from tests.helpers import batch_of, batches_running, rank_workers, wait_until
+from tests.helpers import batch_of, batches_running, rank_workers, serve_replica_actor, wait_until
 from tests.helpers import flux_params as params
 from tests.helpers import video_params
 
@@ -282,6 +282,39 @@ def test_a_rank_killed_while_its_replica_idles_costs_the_next_batch_nothing(depl
     assert meta["world_size"] == 2 and meta["replica"] != first["ditserve"]["replica"]
     stats = httpx.get(f"{url}/v1/stats", timeout=60).json()["router"]
     assert stats["counters"].get("requeued", 0) >= 1 and stats["counters"].get("failed_batches", 0) == 0
+
+
+def test_a_rank_killed_while_no_batch_comes_is_found_by_a_health_check(deploy):
+    """A rank actor killed while its replica idles and no batch comes: the replica's next
+    health check finds the rank dead, and the replica breaks and exits on its own (Serve's
+    next check replaces it), rather than failing checks until Serve kills it after the third
+    in a row. The old replica's death cause tells the two apart: a worker that exited, not
+    ``ray.kill``."""
+    url = deploy(SP2, fresh=True)  # health checks every 2 s (the product's default)
+    first = post_ok(url, {"prompt": "before", "seed": 1, "num_inference_steps": 2})
+    replica = serve_replica_actor("DiTReplica")
+    [rank] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
+    ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]))
+    died = {}
+
+    def replica_dead() -> bool:
+        try:
+            ray.get(replica.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.ActorDiedError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return False
+
+    wait_until(replica_dead, timeout=120)
+    try:  # a call made after the death reads its recorded cause (one in flight at it may not)
+        ray.get(replica.__ray_ready__.remote(), timeout=30)
+    except ray.exceptions.ActorDiedError as exc:
+        died["error"] = str(exc)
+    assert "ray.kill" not in died["error"] and "worker process has died" in died["error"], died["error"]
+    after = post_ok(url, {"prompt": "after", "seed": 2, "num_inference_steps": 2})
+    assert after["ditserve"]["world_size"] == 2 and after["ditserve"]["replica"] != first["ditserve"]["replica"]
 
 
 def post_ok(url: str, body: dict) -> dict:
