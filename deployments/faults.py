@@ -5,6 +5,8 @@ in the replica before it runs, as a model error would. ``DITSERVE_FAIL_RANK=RANK
 RANK alone raises after denoising step STEP (1 by default) of such a batch, while the other ranks
 go on into the next step's collectives (what an out-of-memory on one GPU does); rank 0 is the
 replica itself (a single-rank replica's model failing mid-batch).
+``DITSERVE_EXIT_RANK=RANK:TEXT``: rank actor RANK (1 or more) exits, its process gone at once,
+as such a batch begins, before its first step (a crashed GPU process or a killed host).
 ``DITSERVE_FAIL_STARTUP=TEXT``: the replica's constructor raises (a checkpoint that no longer
 loads, a broken device), so a deploy or a redeploy of DiTReplica with it fails.
 """
@@ -17,6 +19,7 @@ from pipeline.wire import Batch
 
 FAULT_ENV = "DITSERVE_FAIL_SIGNATURES_CONTAINING"
 RANK_FAULT_ENV = "DITSERVE_FAIL_RANK"
+RANK_EXIT_ENV = "DITSERVE_EXIT_RANK"
 STARTUP_FAULT_ENV = "DITSERVE_FAIL_STARTUP"
 
 
@@ -62,3 +65,22 @@ def parse_rank_fault(spec: str | None) -> tuple[int, str, int] | None:
         raise ValueError(f"{RANK_FAULT_ENV}={spec!r}: expected RANK:TEXT or RANK:TEXT@STEP "
                          "(RANK >= 0, STEP >= 1, TEXT part of a batch signature)")
     return int(target), text, int(step) if at else 1
+
+
+def rank_exit(rank: int, batch: Batch) -> bool:
+    """Whether rank ``rank``'s process is to exit as ``batch`` begins (:data:`RANK_EXIT_ENV`)."""
+    fault = parse_rank_exit(os.environ.get(RANK_EXIT_ENV))
+    return fault is not None and fault[0] == rank and fault[1] in str(batch.signature)
+
+
+def parse_rank_exit(spec: str | None) -> tuple[int, str] | None:
+    """``RANK:TEXT`` as ``(rank, text)``; None when unset. Raises ``ValueError`` naming
+    :data:`RANK_EXIT_ENV` for a spec of another shape or a rank below 1 (rank 0 is the replica
+    itself, not a rank actor)."""
+    if not spec:
+        return None
+    target, colon, text = spec.partition(":")
+    if not colon or not target.isdigit() or int(target) < 1 or not text:
+        raise ValueError(f"{RANK_EXIT_ENV}={spec!r}: expected RANK:TEXT (RANK >= 1, a rank actor; TEXT part of "
+                         "a batch signature)")
+    return int(target), text

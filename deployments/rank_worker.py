@@ -23,7 +23,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.compute_thread import ComputeThread
-from deployments.faults import rank_fault
+from deployments.faults import rank_exit, rank_fault
 from parallel.config import ParallelConfig
 from parallel.groups import free_port, join
 from pipeline.errors import BatchCancelled, LoraLoadError, SharedFailure, dropped_rows, record_dropped_rows
@@ -36,6 +36,9 @@ from pipeline.wire import Batch
 # Seconds the other ranks get to end the same consistent way as the first rank that stopped
 # before the group is declared broken.
 SAME_FAILURE_GRACE_S = 30.0
+# After a rank failed in a batch, how long the other ranks' pings may take to tell a dead one
+# (a rank whose process exited makes its peers' collectives fail first, as a RuntimeError)
+DEAD_RANK_PING_S = 2.0
 # Ways a batch can end on every rank that leave the ranks in step.
 CONSISTENT = (StateTransitionError, BatchCancelled, SharedFailure, LoraLoadError)
 
@@ -94,8 +97,10 @@ def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[
 class GroupBroken(RuntimeError):
     """A batch left the replica's process group unusable: a rank died, or ranks failed
     differently (some may be blocked in a collective). The replica must be replaced.
-    ``rank_died``: the failing rank's actor was dead (``RayActorError``: killed, its process
-    or node lost), not an error its batch raised."""
+    ``rank_died``: a rank's actor was dead (``RayActorError``: killed, its process or node
+    lost), not an error a batch raised: the failing rank's, or one :meth:`RankGroup.dead_ranks`
+    found dead after another rank failed (a rank whose process exits makes rank 0's next
+    collective fail first, with gloo's or NCCL's own error)."""
 
     rank_died: bool = False
 
@@ -135,6 +140,8 @@ class RankWorker:
 
     @ray.method(concurrency_group="batch")
     def run_batch(self, batch: Batch) -> None:
+        if rank_exit(self.rank, batch):  # fault injection (deployments.faults): this process dies
+            os._exit(1)
         self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
 
     @ray.method(concurrency_group="batch")
@@ -238,9 +245,11 @@ class RankGroup:
             if all(t.done() and isinstance(_cause(t.exception()), kind) for t in tasks):
                 raise _cause(rank0.exception())
         rank = 0 if failed[0] is rank0 else tasks.index(failed[0])
+        died = [rank] if isinstance(_cause(first), ray.exceptions.RayActorError) else await self.dead_ranks()
         broken = GroupBroken(f"rank {rank} failed during batch {batch.batch_id}: {type(_cause(first)).__name__}: "
-                             f"{str(_cause(first))[:200]}")
-        broken.rank_died = isinstance(_cause(first), ray.exceptions.RayActorError)
+                             f"{str(_cause(first))[:200]}" + (f" (rank {died[0]} is dead)" if died and died != [rank]
+                                                              else ""))
+        broken.rank_died = bool(died)
         if rank0.done() and rank0.exception() is not None:  # rows rank 0 had dropped before it failed
             record_dropped_rows(broken, dropped_rows(rank0.exception()))
         raise broken
@@ -251,6 +260,14 @@ class RankGroup:
         outputs = self.compute.call(self.runner.run, batch)
         ray.get(pending)
         return outputs
+
+    async def dead_ranks(self, timeout_s: float = DEAD_RANK_PING_S) -> list[int]:
+        """The ranks (1..N-1) whose actor is dead (``ray.exceptions.ActorDiedError`` to a ping
+        within ``timeout_s``); one that is alive answers from its control group, even while
+        blocked in a collective, and one that does not answer in time is not counted."""
+        answers = await asyncio.gather(*[asyncio.wait_for(_awaited(w.ping.remote()), timeout_s) for w in self.workers],
+                                       return_exceptions=True)
+        return [rank for rank, answer in enumerate(answers, start=1) if isinstance(answer, ray.exceptions.ActorDiedError)]
 
     async def check_alive(self, timeout_s: float = 10.0) -> None:
         """Raises if any rank worker is dead or does not answer within ``timeout_s`` (answered

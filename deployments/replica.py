@@ -15,7 +15,8 @@ from ray.serve.metrics import Counter
 
 from deployments.autoscaling import router_queue_stats
 from deployments.compute_thread import ComputeThread
-from deployments.faults import RANK_FAULT_ENV, batch_fault, parse_rank_fault, rank_fault, startup_fault
+from deployments.faults import (RANK_EXIT_ENV, RANK_FAULT_ENV, batch_fault, parse_rank_exit, parse_rank_fault,
+                                rank_fault, startup_fault)
 from deployments.handles import router_handle
 from deployments.live_config import LiveUpdates
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
@@ -160,6 +161,7 @@ class DiTReplica:
         if fault:
             raise RuntimeError(fault)
         parse_rank_fault(os.environ.get(RANK_FAULT_ENV))  # a malformed spec fails the start, not every batch
+        parse_rank_exit(os.environ.get(RANK_EXIT_ENV))
         acceleration = acceleration or {}
         model = {**model, "max_loras": int((limits or {}).get("max_loras", 4))}
         self._loras = dict(model.get("loras") or {})  # the registry the runner checked at start

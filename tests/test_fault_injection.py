@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.faults import RANK_FAULT_ENV, parse_rank_fault, rank_fault
+from deployments.faults import RANK_EXIT_ENV, RANK_FAULT_ENV, parse_rank_exit, parse_rank_fault, rank_exit, rank_fault
 from tests.helpers import batch_of, flux_params
 
 
@@ -39,3 +39,24 @@ def test_a_rank_fault_raises_after_its_step_and_keeps_the_callback(monkeypatch):
     assert seen == [1, 2, 3]
     monkeypatch.delenv(RANK_FAULT_ENV)
     assert rank_fault(0, batch) is None
+
+
+@pytest.mark.parametrize("spec, parsed", [(None, None), ("", None), ("1:steps=7 ", (1, "steps=7 ")),
+                                          ("3:a:b@2", (3, "a:b@2"))])
+def test_rank_exit_specs(spec, parsed):
+    assert parse_rank_exit(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["steps", "0:steps", "-1:steps", "x:steps", ":steps", "1:"])
+def test_malformed_rank_exit_specs_are_refused_naming_the_variable(spec):
+    with pytest.raises(ValueError, match=RANK_EXIT_ENV):
+        parse_rank_exit(spec)
+
+
+def test_a_rank_exit_matches_its_rank_and_signature_only(monkeypatch):
+    batch = batch_of(flux_params("p", 1, steps=5, size=(64, 64)))
+    monkeypatch.setenv(RANK_EXIT_ENV, "1:steps=5 ")
+    assert rank_exit(1, batch) and not rank_exit(2, batch)
+    assert not rank_exit(1, batch_of(flux_params("p", 1, steps=6, size=(64, 64))))
+    monkeypatch.delenv(RANK_EXIT_ENV)
+    assert not rank_exit(1, batch)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from ray import serve
 
-from deployments.faults import RANK_FAULT_ENV
+from deployments.faults import RANK_EXIT_ENV, RANK_FAULT_ENV
+from deployments.router import MAX_REQUEUES
 from tests.helpers import (TINY_ARGS, batch_of, batches_running, flux_params, pixels, post, post_until_ok, router_stats,
                            serve_replica_actor, step_ms, steps_lasting, wait_until)
 
@@ -149,6 +150,26 @@ def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deplo
     after = post(url, good[0], 600)
     assert after.status_code == 200 and after.json()["ditserve"]["replica"] != first
     assert replicas - {first}  # requests after the fault ran on the new replica
+
+
+def test_a_batch_every_replica_refuses_is_requeued_max_requeues_times_then_answered_503(deploy):
+    """Rank 1 of every replica dies as a 7-step batch begins (before its first step), so each
+    replica refuses that batch (it ran nothing of it), exits and is replaced; the Router
+    requeues the request to the next replica ``MAX_REQUEUES`` times, then answers it 503
+    ``replica_broken`` (one answer, not a wait without end); other work is served after."""
+    args = {**SP2, "replica": {**SP2["replica"], "health_check_period_s": 2.0, "health_check_timeout_s": 10.0,
+                               "ray_actor_options": {"runtime_env": {"env_vars": {RANK_EXIT_ENV: "1:steps=7 "}}}}}
+    url = deploy(args, fresh=True)
+    wait_until(lambda: len(replica_ids(url)) == 1, timeout=60)
+    base = router_stats(url)["counters"]
+    r = post(url, {"prompt": "every replica refuses me", "seed": 9, "num_inference_steps": 7}, 600)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "replica_broken" and "was not run" in error["message"], error
+    counters = counted(url, base)
+    assert counters["requeued"] == MAX_REQUEUES and counters["failed_batches"] == 1, counters
+    fine = post_until_ok(url, {"prompt": "fine", "seed": 1, "num_inference_steps": 2}, allowed=(503,))
+    assert fine.json()["ditserve"]["world_size"] == 2
 
 
 def test_step_events_only_for_batches_that_show_progress_and_an_unknown_batch_stops(deploy):
