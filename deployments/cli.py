@@ -990,11 +990,31 @@ def json_object_arg(value: str) -> dict:
     return body
 
 
-def _with_loras(extra: dict | None, loras: list[dict] | None) -> dict | None:
-    body = extra
-    if loras:
-        body = {**(body or {}), "lora": loras}
-    return body
+# request field -> (the parsed arguments' attribute, the argument as a person types it) of the
+# client commands' arguments that set a request field themselves
+FIELD_ARGUMENTS = {"prompt": ("prompt", "PROMPT"), "image": ("image", "IMAGE"), "mask": ("mask", "--mask"),
+                   "seed": ("seed", "--seed"), "num_inference_steps": ("steps", "--steps"), "size": ("size", "--size"),
+                   "strength": ("strength", "--strength"), "seconds": ("seconds", "--seconds"),
+                   "input_reference": ("input_reference", "--input-reference"), "lora": ("lora", "--lora")}
+
+
+def _request_extra(ns) -> dict | None:
+    """A client command's ``--extra`` with its ``--lora`` adapters added. Raises
+    :class:`UsageError` for a field ``--extra`` gives (itself or in a nested ``extra_body``)
+    that an argument given to the command sets too (one of the two was silently dropped), and
+    for an image command's ``response_format`` (it reads ``b64_json``)."""
+    extra = ns.extra or {}
+    given = {field: argument for field, (attr, argument) in FIELD_ARGUMENTS.items()
+             if getattr(ns, attr, None) is not None}
+    set_by_command = ("response_format",) if ns.command in ("generate", "edit") else ()
+    for name, _ in _extra_fields(extra, *given, *set_by_command):
+        if name == "response_format":
+            raise UsageError("--extra: response_format is set by the command (it writes the image's bytes); "
+                             "leave it out")
+        raise UsageError(f"--extra: {name} is set by {given[name]} too; give it once")
+    if ns.lora:
+        return {**extra, "lora": ns.lora}
+    return ns.extra
 
 
 def _with_preview_bar(ns, call):
@@ -1028,7 +1048,7 @@ def _with_preview_bar(ns, call):
 def _cmd_generate(ns) -> int:
     meta, rc = _with_preview_bar(ns, lambda show: generate_image(
         ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-        extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
+        extra=_request_extra(ns), api_key=ns.api_key,
         previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
     return _written(ns.output, meta, rc)
 
@@ -1036,7 +1056,7 @@ def _cmd_generate(ns) -> int:
 def _cmd_edit(ns) -> int:
     meta, rc = _with_preview_bar(ns, lambda show: edit_image(
         ns.url, Path(ns.image), ns.prompt, Path(ns.output), mask=Path(ns.mask) if ns.mask else None,
-        strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_with_loras(ns.extra, ns.lora),
+        strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_request_extra(ns),
         api_key=ns.api_key, previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
     return _written(ns.output, meta, rc)
 
@@ -1065,7 +1085,7 @@ def _cmd_video(ns) -> int:
     def run() -> dict:
         try:
             return generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
-                                  steps=ns.steps, extra=_with_loras(ns.extra, ns.lora), api_key=ns.api_key,
+                                  steps=ns.steps, extra=_request_extra(ns), api_key=ns.api_key,
                                   on_progress=show,
                                   input_reference=Path(ns.input_reference) if ns.input_reference else None)
         finally:

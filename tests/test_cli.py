@@ -253,6 +253,55 @@ def test_an_extra_or_a_suffix_that_would_write_other_bytes_is_refused_before_any
         server.shutdown()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "a", "--seed", "1", "--extra", '{"seed": 2}'], "--extra: seed is set by --seed too"),
+    (["generate", "a", "--steps", "4", "--extra", '{"extra_body": {"num_inference_steps": 8}}'],
+     "--extra: num_inference_steps is set by --steps too"),
+    (["generate", "a", "--size", "64x64", "--extra", '{"size": "32x32"}'], "--extra: size is set by --size too"),
+    (["generate", "a", "--lora", "magenta", "--extra", '{"lora": [{"name": "other"}]}'],
+     "--extra: lora is set by --lora too"),
+    (["generate", "a", "--extra", '{"prompt": "b"}'], "--extra: prompt is set by PROMPT too"),
+    (["generate", "a", "--extra", '{"response_format": "url"}'], "--extra: response_format is set by the command"),
+    (["edit", "{tmp}/in.png", "a", "--strength", "0.5", "--extra", '{"strength": 0.6}'],
+     "--extra: strength is set by --strength too"),
+    (["edit", "{tmp}/in.png", "a", "--extra", '{"image": "x"}'], "--extra: image is set by IMAGE too"),
+    (["edit", "{tmp}/in.png", "a", "--mask", "{tmp}/in.png", "--extra", '{"mask": "x"}'],
+     "--extra: mask is set by --mask too"),
+    (["video", "a", "--seconds", "1", "--extra", '{"seconds": "2"}'], "--extra: seconds is set by --seconds too"),
+    (["video", "a", "--input-reference", "{tmp}/in.png", "--extra", '{"extra_body": {"input_reference": "x"}}'],
+     "--extra: input_reference is set by --input-reference too"),
+])
+def test_a_field_given_by_an_argument_and_by_extra_is_refused_before_any_request(tmp_path, capsys, argv, said):
+    """``--seed 1 --extra '{"seed": 2}'`` ran with seed 1 (``--strength``, ``--lora`` the
+    same; ``--extra``'s ``size`` or ``prompt`` silently won over the argument's): one of the
+    two was dropped without a word."""
+    server = _Answering(200, "application/json", b"{}")
+    try:
+        (tmp_path / "in.png").write_bytes(b"")
+        output = "v.mp4" if argv[0] == "video" else "o.png"
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["-o", str(tmp_path / output), "--url", server.url]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+        assert server.posts == 0
+    finally:
+        server.shutdown()
+
+
+def test_extra_fields_no_argument_sets_still_reach_the_request(tmp_path, capsys):
+    """The check above refuses only fields an argument gave: ``--extra '{"seed": 2}'`` alone
+    is sent as is."""
+    server = _Answering(400, "application/json",
+                        json.dumps({"error": {"message": "no", "type": "invalid_request_error", "code": "x"}}).encode())
+    try:
+        assert main(["generate", "a", "-o", str(tmp_path / "o.png"), "--url", server.url, "--steps", "3",
+                     "--extra", '{"seed": 2}']) == 1
+        sent = json.loads(server.bodies[0])
+        assert (sent["seed"], sent["num_inference_steps"], sent["prompt"]) == (2, 3, "a")
+    finally:
+        server.shutdown()
+
+
 def test_ctrl_c_while_a_video_job_runs_deletes_the_job_and_exits_130(tmp_path, capsys, monkeypatch):
     """Ctrl-C left the job running on the server (and printed a traceback). The progress bar,
     drawn once the first poll answers, is where the Ctrl-C lands here."""
