@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -15,6 +16,8 @@ from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import parse_size
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
+from pipeline.contract.text import did_you_mean, shown
+from pipeline.tiny.names import EMBEDDED_NAMES
 
 # Where the embedded tiny-flux adapters live (pipeline.tiny.lora; a path of null names one).
 EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
@@ -84,8 +87,22 @@ class ModelConfig(_Strict):
     name: str = "tiny-flux"
     path: str | None = None
     family: str | None = None  # detected from model_index.json when omitted
-    dtype: str = Field(default="float32", pattern="^(float32|bfloat16|float16)$")
-    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # a rank's own GPU: cuda (parallel)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"  # cpu, cuda or cuda:N; a rank's own GPU: cuda (parallel)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d{1,4})?", v):
+            raise ValueError(f"{shown(v)} is not a device ditserve runs on; use cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _embedded_or_path(self) -> "ModelConfig":
+        if self.path is None and self.name not in EMBEDDED_NAMES:
+            raise ValueError(f"name {shown(self.name)} is not an embedded model ({', '.join(EMBEDDED_NAMES)}); "
+                             "give the checkpoint's path (a diffusers directory or a hub id) for any other")
+        return self
 
     @field_validator("family")
     @classmethod
@@ -339,9 +356,9 @@ def app_config(args: dict, environ=os.environ) -> "AppConfig":
             var = next((v for v, key in used.items() if loc[:2] == ("acceleration", key)), None)
             if var is not None:
                 said.append(f"{var}={environ[var]!r} (the acceleration.{used[var]} default): "
-                            f"{'.'.join(loc[1:])}: {error.get('msg', 'invalid')}")
+                            f"{'.'.join(loc[1:])}: {error_message(error, exc.title)}")
             else:
-                said.append(f"{'.'.join(('args', *loc))}: {error.get('msg', 'invalid')}")
+                said.append(f"{'.'.join(('args', *loc))}: {error_message(error, exc.title)}")
         try:
             AppConfig.model_validate(args)
             alone = True
@@ -457,14 +474,51 @@ class ReplicaConfig(_Strict):
         return self.autoscaling.initial_replicas or self.autoscaling.min_replicas
 
 
+def error_message(error: dict, title: str | None = None) -> str:
+    """One pydantic error's message, less the "Value error, " pydantic puts before a
+    validator's ``ValueError``. A key a section does not have ("Extra inputs are not
+    permitted") is said with the section's fields and the nearest one, when ``title`` (the
+    ``ValidationError``'s: the validated model's class name) names a config model here."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") == "extra_forbidden" and loc:
+        fields = _section_fields(title, loc[:-1])
+        if fields is not None:
+            return f"no such field{did_you_mean(loc[-1], fields)}; the fields there: {', '.join(fields)}"
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+def _section_fields(title: str | None, loc: tuple) -> list[str] | None:
+    """The field names of the config section at ``loc`` of the :class:`_Strict` model named
+    ``title`` (a dict key or list index in ``loc`` passes to the values' model), or None."""
+    model = next((m for m in _strict_models(_Strict) if m.__name__ == title), None)
+    parts = iter(loc)
+    for part in parts:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) in (Union, UnionType):  # X | None
+            annotation = next((a for a in get_args(annotation) if a is not type(None)), None)
+        if get_origin(annotation) in (dict, list):  # the next part is a key or an index
+            annotation = get_args(annotation)[-1]
+            if next(parts, None) is None:
+                return None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, _Strict) else None
+    return list(model.model_fields) if model is not None else None
+
+
+def _strict_models(base: type) -> list[type]:
+    return [sub for cls in base.__subclasses__() for sub in (cls, *_strict_models(cls))]
+
+
 def validation_line(exc: ValidationError, where: str = "") -> str:
     """A pydantic ``ValidationError`` as one line: each error's field (dotted, after ``where``)
-    and pydantic's message, ``; ``-separated (its ``str`` runs to many lines and starts with a
+    and pydantic's message (less its "Value error, "), ``; ``-separated (its ``str`` runs to many lines and starts with a
     count: "1 validation error for AppConfig")."""
     said = []
     for error in exc.errors():
         field = ".".join(str(part) for part in (where, *error.get("loc", ())) if part != "")
-        said.append(f"{field or 'config'}: {error.get('msg', 'invalid')}")
+        said.append(f"{field or 'config'}: {error_message(error, exc.title)}")
     return "; ".join(said) or str(exc)
 
 
@@ -610,6 +664,11 @@ def check_user_config_shape(name: str, user_config) -> None:
     if not allowed or (name == "Ingress" and not any(k in user_config for k in allowed)):
         return
     unknown = sorted(str(k) for k in user_config if k not in allowed)
+    flat = [k for k in unknown if name == "Ingress" and k in AccelerationConfig.model_fields]
+    if flat:  # the flat form's fields beside the nested form's sections
+        raise ValueError(f"user_config has {', '.join(flat)} beside its sections ({', '.join(allowed)}): with "
+                         "sections an acceleration field goes under acceleration (the flat form, acceleration "
+                         "fields alone, has no sections)")
     if unknown:
         raise ValueError(f"user_config has no {', '.join(unknown)} (it takes {', '.join(allowed)})")
     for key in allowed:

@@ -123,3 +123,45 @@ def test_a_default_no_request_may_give_fails_the_replicas_start():
     check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 4}, edit)
     with pytest.raises(ValueError, match=r"^limits\.default_steps: .*between 2 and"):
         check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 1}, edit)
+
+
+def test_the_embedded_names_a_config_may_give_without_a_path_are_the_registrys():
+    """``model.name`` without ``model.path`` must be an embedded model; the config checks it
+    against a torch-free list (``pipeline.tiny.names``), which must be the registry's."""
+    from pipeline.tiny.names import EMBEDDED_NAMES
+    from pipeline.tiny.registry import EMBEDDED
+
+    assert sorted(EMBEDDED_NAMES) == sorted(EMBEDDED)
+
+
+@pytest.mark.parametrize("args, said", [
+    ({"batchng": {}}, "args.batchng: no such field (did you mean 'batching'?); the fields there: model, limits, "),
+    ({"batching": {"max_batch_sise": 3}}, "args.batching.max_batch_sise: no such field (did you mean "
+                                          "'max_batch_size'?); the fields there: max_batch_size, "),
+    ({"model": {"loras": {"mine": {"pathh": "x"}}}}, "args.model.loras.mine.pathh: no such field (did you mean "
+                                                     "'path'?); the fields there: path, default_scale"),
+    ({"replica": {"autoscaling": {"zzz": 1}}}, "args.replica.autoscaling.zzz: no such field; the fields there: "
+                                               "min_replicas, "),
+    ({"model": {"name": "tiny-flx"}}, "args.model: name 'tiny-flx' is not an embedded model (tiny-flux, "),
+    ({"model": {"dtype": "fp16"}}, "args.model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
+    ({"model": {"device": "gpu"}}, "args.model.device: 'gpu' is not a device ditserve runs on; use cpu, cuda or "
+                                   "cuda:N"),
+])
+def test_a_config_mistake_names_the_allowed_keys_or_values(args, said):
+    """helper-43: a misspelt key said only "Extra inputs are not permitted" (no field named,
+    no list), a dtype or device pydantic's regular expression, and an embedded model's name
+    misspelt passed every check and failed each replica's start."""
+    from deployments.config import validation_line
+
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(args)
+    assert said in validation_line(info.value, "args"), validation_line(info.value, "args")
+
+
+def test_a_router_user_config_key_misspelt_names_the_knobs():
+    from deployments.config import BatchingConfig, batching_update, validation_line
+
+    with pytest.raises(ValidationError) as info:
+        batching_update(BatchingConfig().model_dump(), {"max_wait_mss": 5})
+    assert validation_line(info.value).startswith("max_wait_mss: no such field (did you mean 'max_wait_ms'?); "
+                                                  "the fields there: max_batch_size, ")

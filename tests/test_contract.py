@@ -46,7 +46,9 @@ def reasons(body: dict) -> InvalidRequestError:
     ({"prompt": "a", "output_format": "webp", "output_compression": -1}, "output_compression", "between 0 and 100"),
     ({"prompt": "a", "output_compression": 50}, "output_compression", "jpeg or webp, not png"),
     ({"prompt": "a", "priority": "urgent"}, "priority", "one of interactive, batch"),
-    ({"prompt": "a", "enable_cache_dti": True}, "enable_cache_dti", "unknown field"),
+    ({"prompt": "a", "enable_cache_dti": True}, "enable_cache_dti",
+     "unknown field 'enable_cache_dti' (did you mean 'enable_cache_dit'?)"),
+    ({"prompt": "a", "sizee": "64x64"}, "sizee", "unknown field 'sizee' (did you mean 'size'?)"),
     ({"prompt": "a", "cfg_gate_step": 0}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "cfg_gate_step": 1.5}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "attention_backend_override": "flash"}, "attention_backend_override", "one of"),
@@ -188,6 +190,7 @@ VIDEO = dataclasses.replace(LIMITS, model_name="tiny-wan-moe", spatial_factor=16
     ({"prompt": "a", "boundary_ratio": -0.1}, "boundary_ratio", "[0, 1]"),
     ({"prompt": "a", "fps": 0}, "fps", "between 1 and 120"),
     ({"prompt": "a", "n": 2}, "n", "unknown field"),
+    ({"prompt": "a", "sizee": "64x64"}, "sizee", "unknown field 'sizee' (did you mean 'size'?)"),
     # OpenAI's JSON forms of input_reference (they were 'Input should be a valid bytes')
     ({"prompt": "a", "input_reference": {"image_url": "https://x/a.png"}}, "input_reference", "uploaded image file"),
     ({"prompt": "a", "input_reference": "aGVsbG8="}, "input_reference", "uploaded image file"),

@@ -58,8 +58,13 @@ def _running(cls, **attributes):
 
 
 @pytest.mark.parametrize("update, problem", [
-    ({"acceleration": {}, "enable_cache_dit": True}, "user_config has no enable_cache_dit (it takes acceleration, loras)"),
-    ({"loras": {}, "cfg_gate_step": 0.5}, "user_config has no cfg_gate_step"),
+    # a flat acceleration field beside the sections: put it under acceleration (helper-43: the
+    # message said the Ingress took no such field, where its flat form does)
+    ({"acceleration": {}, "enable_cache_dit": True}, "user_config has enable_cache_dit beside its sections "
+                                                     "(acceleration, loras): with sections an acceleration field "
+                                                     "goes under acceleration"),
+    ({"loras": {}, "cfg_gate_step": 0.5}, "user_config has cfg_gate_step beside its sections"),
+    ({"loras": {}, "bogus": 1}, "user_config has no bogus (it takes acceleration, loras)"),
     ({"acceleration": [1]}, "user_config.acceleration must be a mapping"),
     ({"acceleration": "fast"}, "user_config.acceleration must be a mapping"),
     ({"loras": ["magenta"]}, "user_config.loras must be a mapping"),

@@ -19,7 +19,7 @@ from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
-from pipeline.contract.text import shown, text_problem
+from pipeline.contract.text import did_you_mean, shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
 from pipeline.modes import DualMode, GuidanceMode, Priority
 
@@ -341,7 +341,7 @@ def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
     top, path = str(loc[0]), ".".join(str(p) for p in loc)
     if error.get("type") == "extra_forbidden":
         if len(loc) == 1:  # keys are echoed cut short, as values are
-            return top[:40], f"unknown field {shown(top)}"
+            return top[:40], f"unknown field {shown(top)}{did_you_mean(top, (*model.model_fields, 'extra_body'))}"
         allowed = _fields_at(model, loc[:-1]) or {}
         parent = ".".join(str(p) for p in loc[:-1])
         return top[:40], f"{parent[:80]} has unknown key {shown(str(loc[-1]))}; allowed: {', '.join(allowed)}"

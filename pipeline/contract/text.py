@@ -9,6 +9,7 @@ mean to). Lengths are bounded by ``limits.max_prompt_chars`` before these checks
 
 from __future__ import annotations
 
+import difflib
 import unicodedata
 
 ALLOWED_CONTROL = frozenset("\t\n\r")
@@ -23,6 +24,13 @@ def shown(value, limit: int = 40) -> str:
     if isinstance(value, str):
         return text[:limit] + f"...' ({len(value)} characters)"
     return text[:limit] + f"... ({len(text)} characters as written)"
+
+
+def did_you_mean(key, known) -> str:
+    """``" (did you mean 'x'?)"`` for the name of ``known`` nearest ``key`` (difflib's
+    ``get_close_matches``, ratio >= 0.6), else ``""``: for errors that refuse an unknown key."""
+    close = difflib.get_close_matches(str(key)[:200], [str(k) for k in known], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def text_problem(field: str, value: str, special_tokens: tuple[str, ...] = ()) -> str | None:

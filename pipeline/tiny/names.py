@@ -1,0 +1,6 @@
+"""The embedded models' names, without building or importing them (no torch): what a config's
+``model.name`` may be without a ``model.path``. ``pipeline.tiny.registry.EMBEDDED`` holds the
+same names with their builders (``tests/test_configs.py`` checks the two agree)."""
+
+EMBEDDED_NAMES = ("tiny-flux", "tiny-flux-random", "tiny-wan", "tiny-wan-moe", "tiny-wan-paired", "tiny-wan-i2v",
+                  "tiny-flux-kontext", "tiny-flux2", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")
