@@ -70,13 +70,17 @@ def unknown_keys(value, model: type[pydantic.BaseModel], where: str = "") -> lis
     return unknown
 
 
-def load_serve_config(path: str | Path) -> dict:
+APP_IMPORT_PATH = "deployments.app:build_app"  # the ditserve application of a Serve config file
+
+
+def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     """Read a Serve config file, validate it with Ray Serve's own ``ServeDeploySchema`` (and
-    refuse the keys that schema would ignore) and return the ``ditserve`` application's entry
-    (``args``, ``route_prefix``, ``deployments``: its ``deployments`` section's entries, as
-    given) and ``http_options``. Raises :class:`CannotStart` (one line naming the file and the
-    field) for a file that cannot be read, is not YAML, fails the schema, has a key the schema
-    does not know or has no ditserve application."""
+    refuse the keys that schema would ignore); return each ditserve application's entry
+    (``name``, ``args``, ``route_prefix``, ``deployments``: its ``deployments`` section's
+    entries, as given, and the file's ``http_options``) and the names of the file's other
+    applications. Raises :class:`CannotStart` (one line naming the file and the field) for a
+    file that cannot be read, is not YAML, fails the schema, has a key the schema does not know
+    or has no ditserve application."""
     from ray.serve.schema import ServeDeploySchema
 
     try:
@@ -112,12 +116,27 @@ def load_serve_config(path: str | Path) -> dict:
     if unknown:
         raise CannotStart(f"{path}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                           "(Ray Serve's config schema has no such field)")
-    for app in schema.applications:
-        if app.import_path == "deployments.app:build_app":
-            return {"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
-                    "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
-                    "http_options": schema.http_options.model_dump()}
-    raise CannotStart(f"{path}: no application with import_path deployments.app:build_app")
+    apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
+             "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
+             "http_options": schema.http_options.model_dump()}
+            for app in schema.applications if app.import_path == APP_IMPORT_PATH]
+    if not apps:
+        raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
+    others = [app.name for app in schema.applications if app.import_path != APP_IMPORT_PATH]
+    return apps, others
+
+
+def load_serve_config(path: str | Path) -> dict:
+    """:func:`load_serve_configs` for a file of one application, the ditserve one, which
+    ``ditserve serve`` runs. Raises :class:`CannotStart` also for a file of several (only the
+    first was run, the others silently left out)."""
+    apps, others = load_serve_configs(path)
+    if len(apps) + len(others) > 1:
+        names = ", ".join(repr(name) for name in [*(app["name"] for app in apps), *others])
+        raise CannotStart(f"{path} has {len(apps) + len(others)} applications ({names}); `ditserve serve` runs "
+                          "one ditserve application: keep one in the file, or deploy it whole with `serve deploy` "
+                          "(`ditserve serve --check` checks each ditserve application of it)")
+    return apps[0]
 
 
 @dataclass(frozen=True)
@@ -829,17 +848,24 @@ def _serve_until_stopped(ns) -> int:
     served = None
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        config = load_serve_config(ns.config) if ns.config else {
-            "name": APP_NAME, "args": {}, "route_prefix": "/", "http_options": {"host": "127.0.0.1", "port": 8000}}
+        default = {"name": APP_NAME, "args": {}, "route_prefix": "/", "http_options": {"host": "127.0.0.1",
+                                                                                      "port": 8000}}
+        if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
+            apps, _ = load_serve_configs(ns.config) if ns.config else ([default], [])
+            check_port(ns.port or apps[0]["http_options"]["port"])
+            for app in apps:
+                try:
+                    checked_app(app["args"], app.get("deployments"))
+                except CannotStart as exc:
+                    raise CannotStart(f"application {app['name']!r}: {exc}" if len(apps) > 1 else str(exc)) from None
+            names = ", ".join(repr(app["name"]) for app in apps)
+            print(f"{ns.config or 'the default config'}: application{'s' if len(apps) > 1 else ''} {names} "
+                  f"pass{'' if len(apps) > 1 else 'es'} ditserve's checks (args, deployments entries, user_configs, "
+                  "port number; whether the port is free is known only where it is served)", flush=True)
+            return 0
+        config = load_serve_config(ns.config) if ns.config else default
         http = config["http_options"]
         host, port = ns.host or http["host"], ns.port or http["port"]
-        if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
-            check_port(port)
-            checked_app(config["args"], config.get("deployments"))
-            print(f"{ns.config or 'the default config'}: application {config['name']!r} passes ditserve's checks "
-                  "(args, deployments entries, user_configs, port number; whether the port is free is known "
-                  "only where it is served)", flush=True)
-            return 0
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),

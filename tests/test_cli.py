@@ -820,6 +820,40 @@ def test_a_bad_acceleration_variable_is_named(tmp_path, capsys, monkeypatch, var
     assert err.count("\n") == 1 and said in err, err
 
 
+def _two_apps(second_args: dict) -> dict:
+    """``configs/tiny-cpu.yaml`` with a second ditserve application, ``second`` at ``/b``."""
+    import copy
+
+    def add(config, app):
+        other = copy.deepcopy(app)
+        other.update(name="second", route_prefix="/b", args=second_args)
+        config["applications"].append(other)
+
+    return _tiny_cpu_config(add)
+
+
+def test_check_checks_every_ditserve_application_and_serve_refuses_several(tmp_path, capsys, monkeypatch):
+    """helper-43: ``--check`` checked the file's first ditserve application only (a second one's
+    ``max_batch_size: 5000`` passed), and ``ditserve serve`` ran the first and silently left
+    the others out."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(_two_apps({"batching": {"max_batch_size": 5000}})))
+    assert main(["serve", "--config", str(path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: application 'second': bad application args: args.batching.max_batch_size") and \
+        err.count("\n") == 1, err
+    path.write_text(yaml.safe_dump(_two_apps({"batching": {"max_batch_size": 2}})))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    assert "applications 'ditserve', 'second' pass ditserve's checks" in capsys.readouterr().out
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "has 2 applications ('ditserve', 'second'); `ditserve serve` runs one ditserve application" in err, err
+
+
 def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
     """Both named, each where it comes from (helper-36's review: the file's error was dropped)."""
     import ray
