@@ -297,6 +297,11 @@ def form_to_body(items: list[tuple[str, object]], files: tuple[str, ...] = (),
         elif key not in _FORM_TEXT_FIELDS:
             try:
                 value = json.loads(value, object_pairs_hook=_object_of_unique_keys)
+            except json.JSONDecodeError as exc:
+                if value.lstrip().startswith(("[", "{")):  # meant as a list or object: say why it is not one
+                    raise InvalidRequestError(f"form field {key[:40]!r} is not valid JSON ({exc.msg} at character "
+                                              f"{exc.pos}); a list or object goes as JSON text", param=path[0],
+                                              code="invalid_json") from None
             except (ValueError, RecursionError):
                 pass
             except _RepeatedKey as exc:
@@ -530,8 +535,21 @@ def idempotency_scope(key: object, scope: str) -> str | None:
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not (
             key.isascii() and key.isprintable()):
         raise InvalidRequestError(f"Idempotency-Key must be a string of 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII "
-                                  f"characters, got {shown(key)}", param="Idempotency-Key", code="invalid_value")
+                                  f"characters, got {shown(_as_sent(key))}", param="Idempotency-Key",
+                                  code="invalid_value")
     return f"{hashlib.sha256(scope.encode()).hexdigest()[:16]}:{key}"
+
+
+def _as_sent(value: object) -> object:
+    """A header value as its sender wrote it: HTTP headers reach Starlette as bytes it decodes
+    as Latin-1, so UTF-8 text ("é") read as "Ã©"; a value that is not UTF-8 bytes so read
+    stays as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return value
 
 
 def request_fingerprint(request: BaseModel) -> str:

@@ -210,11 +210,17 @@ class VideoJobs:
         """The finished job's MP4 bytes (``variant`` ``video``) or its thumbnail, the first
         frame as WebP (``thumbnail``; while the job runs, the first frame of its latest preview,
         once one was decoded). Raises ``NotFoundError`` (404), or ``InvalidRequestError`` (400)
-        while the job is not completed (for a thumbnail: and has no preview yet)."""
+        while the job is not completed (for a thumbnail: and has no preview yet; the message says
+        whether one will come)."""
         job = self.store.get(job_id)
         if variant == "thumbnail" and job.status == JobStatus.IN_PROGRESS and job.preview is not None:
             return job.preview
         if job.status != JobStatus.COMPLETED:
+            if variant == "thumbnail" and job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS) \
+                    and not job.params.partial_images:  # none will come: "retry shortly" would be wrong advice
+                raise InvalidRequestError(f"video {job_id} is {job.status} and decodes no previews (the server's "
+                                          "videos.previews is 0); its thumbnail exists once it is completed",
+                                          param="video_id", code="video_not_ready")
             if variant == "thumbnail" and job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
                 raise InvalidRequestError(f"video {job_id} is {job.status} and no preview of it was decoded yet; "
                                           "retry shortly (its thumbnail is its latest preview while it runs)",

@@ -195,11 +195,12 @@ class Router:
         self._live.started()
 
     def reconfigure_batching(self, batching: dict) -> None:
-        self._batching = dict(batching)  # as /v1/stats shows it
         self._max_batch_size = int(batching["max_batch_size"])
         self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
         self._max_queued = int(batching["max_queued_requests"])
         self._max_queued_batch = queued_batch_limit(self._max_queued, batching.get("max_queued_batch_requests"))
+        # as /v1/stats shows it: the limits in force (max_queued_batch_requests null: the default it resolves to)
+        self._batching = {**batching, "max_queued_batch_requests": self._max_queued_batch}
         self._max_batch_cost = batching.get("max_batch_cost")
         self._affinity = bool(batching.get("affinity", True))
         self._max_affinity_wait_s = float(batching.get("max_affinity_wait_ms", 2000)) / 1e3

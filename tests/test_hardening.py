@@ -140,6 +140,12 @@ def test_a_key_given_twice_in_a_json_object_is_a_400_naming_it():
     with pytest.raises(InvalidRequestError, match="form field 'lora' gives the key 'name' more than once") as err:
         form_to_body([("prompt", "a"), ("lora", '[{"name": "a", "name": "b"}]')])  # JSON text in a form field
     assert err.value.param == "lora"
+    # JSON text with a mistake (helper-42: "lora: Input should be a valid list", nothing on why)
+    for field, text in (("lora", '[{"name": "magenta"}'), ("cache_dit_params", ' {"Fn_compute_blocks": 1,}')):
+        with pytest.raises(InvalidRequestError, match=f"form field '{field}' is not valid JSON .* at character") as err:
+            form_to_body([("prompt", "a"), (field, text)])
+        assert err.value.param == field and err.value.code == "invalid_json"
+    assert form_to_body([("prompt", "a"), ("size", "64x64")])["size"] == "64x64"  # not JSON, not meant as JSON
     for body in ([1], "x", None):  # valid JSON, not an object: the envelope's code was null
         err = refused(body)
         assert err.param == "body" and err.code == "invalid_value" and "JSON object" in err.message

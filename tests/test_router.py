@@ -247,6 +247,8 @@ def test_a_batch_priority_backlog_leaves_interactive_work_room(deploy):
     router = serve.get_deployment_handle("Router", "ditserve")
     held = lambda: router.stats.remote().result()  # noqa: E731
     before = held()["counters"]
+    # the limit in force, resolved from its default (it showed the configured null: helper-42)
+    assert stats(url)["batching"]["max_queued_batch_requests"] == 1
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(post, url, {"prompt": "busy", "seed": 1, **LONG})]
         wait_until(lambda: held()["inflight_batches"] == 1)

@@ -168,6 +168,8 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
     for bad in ("", "x" * 256, "caf\u00e9"):
         r = httpx.post(f"{url}/v1/videos", json=body, timeout=30, headers={"Idempotency-Key": bad.encode("utf-8")})
         assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", bad
+        if bad == "caf\u00e9":  # echoed as sent (it was 'cafÃ©': the header's UTF-8 read as Latin-1)
+            assert "got 'caf\u00e9'" in r.json()["error"]["message"], r.text
     handle = serve.get_app_handle("ditserve")
     by_handle = handle.submit_video.remote(body, idempotency_key="k-1").result()
     assert by_handle.id != first["id"]  # the handle is another caller than HTTP
@@ -272,6 +274,23 @@ def test_failed_job_shows_failed_with_the_error_while_others_complete(url):
 def _params(i: int) -> SamplingParams:
     return SamplingParams(f"video_{i}", "m", "p", None, 1, 32, 32, 5, 4, GuidanceMode.NONE, 1.0, None, i, False, None,
                           1.0, None, "mp4", fps=8)
+
+
+def test_a_thumbnail_asked_of_a_running_job_says_whether_a_preview_will_come():
+    """helper-43: with ``videos.previews: 0`` a running job's thumbnail said "no preview of it
+    was decoded yet; retry shortly", where none ever comes."""
+    import dataclasses
+
+    jobs = VideoJobs(JobStore(), wait=None)
+    without = jobs.store.add(_params(1))  # partial_images None: the server decodes no previews
+    with_previews = jobs.store.add(dataclasses.replace(_params(2), partial_images=2))
+    for job in (without, with_previews):
+        job.status = JobStatus.IN_PROGRESS
+    with pytest.raises(InvalidRequestError, match="decodes no previews .* once it is completed") as info:
+        jobs.content(without.params.request_id, "thumbnail")
+    assert info.value.code == "video_not_ready"
+    with pytest.raises(InvalidRequestError, match="no preview of it was decoded yet; retry shortly"):
+        jobs.content(with_previews.params.request_id, "thumbnail")
 
 
 def test_job_store_evicts_by_age_and_count():
