@@ -388,8 +388,15 @@ class AutoscalingSettings(_Strict):
     other fields are Ray Serve's ``AutoscalingConfig`` fields with Serve's defaults:
     ``min_replicas`` (at least 1: replicas report the queue), ``max_replicas``,
     ``initial_replicas``, ``upscale_delay_s`` / ``downscale_delay_s`` (seconds a decision must
-    hold before Serve acts), ``look_back_period_s`` (seconds the queue is averaged over) and
+    hold before Serve acts), ``upscaling_factor`` / ``downscaling_factor`` (the share of a
+    change Serve makes at once; null: all of it), ``look_back_period_s`` (seconds the queue is
+    averaged over), ``aggregation_function`` (how: ``mean``, ``max`` or ``min``) and
     ``metrics_interval_s`` (seconds between a replica's metric reports to the controller).
+    Serve's wrapper of a custom policy applies all of them
+    (``ray.serve.autoscaling_policy._apply_autoscaling_config``). Not taken: Serve's
+    ``target_ongoing_requests`` (the policy scales on ``target_queued_per_replica``), its
+    ``policy`` (this one), ``downscale_to_zero_delay_s`` (``min_replicas`` is at least 1) and its
+    deprecated smoothing factors.
     """
 
     min_replicas: int = Field(default=1, ge=1)
@@ -400,6 +407,9 @@ class AutoscalingSettings(_Strict):
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)
     metrics_interval_s: float = Field(default=10.0, gt=0)
+    upscaling_factor: float | None = Field(default=None, gt=0, le=100)
+    downscaling_factor: float | None = Field(default=None, gt=0, le=100)
+    aggregation_function: Literal["mean", "max", "min"] = "mean"
 
     @model_validator(mode="after")
     def _bounds(self):

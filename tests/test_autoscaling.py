@@ -76,6 +76,24 @@ def test_config_becomes_serve_autoscaling_config_of_ditreplica():
     assert policy.policy_kwargs == {"target_queued_per_replica": 4}
 
 
+def test_serves_scaling_factors_and_aggregation_pass_to_serve():
+    """helper-43: the README said every field but target_queued_per_replica is Serve's
+    AutoscalingConfig's, yet upscaling_factor was refused; Serve applies the factors and the
+    aggregation to a custom policy too."""
+    config = AppConfig.model_validate({"replica": {"autoscaling": {
+        "max_replicas": 4, "upscaling_factor": 2, "downscaling_factor": 0.5, "aggregation_function": "max"}}})
+    autoscaling = deployment_options(config)["DiTReplica"]["autoscaling_config"]
+    assert (autoscaling.upscaling_factor, autoscaling.downscaling_factor) == (2, 0.5)
+    assert str(autoscaling.aggregation_function.value) == "max"
+    unset = deployment_options(AppConfig.model_validate(AUTOSCALE_ARGS))["DiTReplica"]["autoscaling_config"]
+    assert (unset.upscaling_factor, unset.downscaling_factor) == (None, None)  # Serve's own: the whole change
+    from deployments.config import validation_line
+
+    with pytest.raises(ValidationError) as info:  # the policy scales on target_queued_per_replica
+        AppConfig.model_validate({"replica": {"autoscaling": {"target_ongoing_requests": 2}}})
+    assert "replica.autoscaling.target_ongoing_requests: no such field" in validation_line(info.value)
+
+
 def test_a_deployments_entry_autoscaling_config_keeps_the_router_queue_policy():
     """``ditserve serve --config`` with DiTReplica's ``autoscaling_config`` in the ``deployments``
     section: the Router-queue policy, its target from the entry, args or ``max_batch_size`` (it was
