@@ -10,6 +10,7 @@ import contextlib
 import errno
 import importlib
 import json
+import logging
 import os
 import re
 import signal
@@ -231,6 +232,24 @@ def check_port(port: int) -> None:
         raise CannotStart(f"cannot listen on port {port}: a port is 0-65535")
 
 
+@contextlib.contextmanager
+def _without_serve_line(start: str):
+    """Leave out of Serve's log, for the block, the records whose message starts with
+    ``start``: ``serve.run`` after this module's ``serve.start`` says "Connecting to existing
+    Serve app ... New http_options/controller_options will not be applied", which read as if
+    ``--port`` were ignored (it was applied by that ``serve.start``; the URL printed is read back)."""
+    logger = logging.getLogger("ray.serve")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(start)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def checked_app(args: dict, deployments: list[dict] | None = None):
     """``bind_app(args, deployments)``, its refusals as :class:`CannotStart` (one line naming
     the field): bad ``args``, a bad or unknown ``deployments`` entry, Serve refusing an option.
@@ -367,7 +386,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
                         shutdown_grace_s(args, deployments))
         watch = _DeployWatch(name, on_wait) if on_wait is not None else None
         try:
-            serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+            with _without_serve_line("Connecting to existing Serve app"):
+                serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
         except (RayServeException, ValueError) as exc:  # a route prefix in use, ...
             said = _first_line(exc)
             raise CannotStart(f"Serve refused application {name!r}: {said}") from None

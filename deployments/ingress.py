@@ -27,6 +27,7 @@ from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, caller_scope, idempotency_scope,
                               install_error_handlers, json_body, json_or_form_body, key_default_priority,
                               load_api_keys, query_params, request_body, request_fingerprint)
+from deployments.serve_logs import answers_are_not_failures
 from pipeline.contract.base import cache_dit_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -154,6 +155,7 @@ class Ingress:
 
     def __init__(self, router, config: dict):
         os.nice(config.get("routing_nice", 0))  # below the proxy, which answers refusals (replica.routing_nice)
+        answers_are_not_failures()  # a handle caller's 400 is one log line, not a traceback
         self._router = router
         self._config = config
         self._limits: ServingLimits | None = None

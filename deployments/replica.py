@@ -20,6 +20,7 @@ from deployments.faults import (RANK_EXIT_ENV, RANK_FAULT_ENV, batch_fault, pars
 from deployments.handles import router_handle
 from deployments.live_config import LiveUpdates
 from deployments.rank_worker import GroupBroken, RankGroup, make_runner
+from deployments.serve_logs import answers_are_not_failures
 from parallel.config import ParallelConfig
 from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
@@ -157,6 +158,7 @@ class DiTReplica:
                  cpu_nice: int = 0):
         os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
+        answers_are_not_failures()  # a refused batch (503 to the Router, which requeues it) is one line
         fault = startup_fault()
         if fault:
             raise RuntimeError(fault)

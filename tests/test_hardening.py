@@ -368,3 +368,43 @@ def test_openai_operations_ditserve_does_not_serve_are_a_400_saying_so():
         assert not any(path in listed for _, path, _, _ in UNSERVED)  # not part of the published API
 
     asyncio.run(run())
+
+
+def test_serve_logs_a_ditserve_answer_as_one_line_and_a_failure_with_its_traceback():
+    """helper-42: each 429 (and a handle caller's 400) put an ERROR "Request failed." with a
+    20-line traceback on `serve run`'s console and the caller's; Serve logs it so in the
+    replica (ray/serve/_private/replica.py). An answer is one line; a failure keeps its trace."""
+    import logging
+
+    from deployments.serve_logs import SERVE_LOGGER, answers_are_not_failures
+    from pipeline.errors import InternalError, OverloadedError, ReplicaUnavailableError
+
+    answers_are_not_failures()
+    answers_are_not_failures()  # once only
+    logger = logging.getLogger(SERVE_LOGGER)
+    assert sum(type(f).__name__ == "AnswersNotFailures" for f in logger.filters) == 1
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        for error in (OverloadedError("queue full", code="overloaded"),
+                      ReplicaUnavailableError("broken", code="replica_broken"),
+                      InternalError("batch x failed", code="batch_failed"), RuntimeError("bug")):
+            try:
+                raise error
+            except Exception:  # noqa: BLE001 - as Serve's replica logs what a method raised
+                logger.exception("Request failed.")
+    finally:
+        logger.removeHandler(handler)
+    said = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in records]
+    assert said == [("INFO", "Request answered 429 overloaded: queue full", False),
+                    ("WARNING", "Request answered 503 replica_broken: broken", False),
+                    ("ERROR", "Request failed.", True), ("ERROR", "Request failed.", True)]
+
+
+def test_the_routers_calls_are_not_access_logged():
+    from deployments.app import deployment_options
+    from deployments.config import AppConfig
+
+    assert deployment_options(AppConfig())["Router"]["logging_config"] == {"enable_access_log": False}
