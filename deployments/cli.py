@@ -908,6 +908,11 @@ def _serve_until_stopped(ns) -> int:
     print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
           "Ctrl-C stops)",
           flush=True)
+    if not served.joined:  # where another Ray job finds the app's handle ("auto" may find another cluster)
+        import ray
+
+        print(f"its Ray cluster: {ray.get_runtime_context().gcs_address} (a Python caller of its handle: "
+              f"ray.init(address={ray.get_runtime_context().gcs_address!r}), with RAY_AUTH_MODE=token)", flush=True)
     try:
         while not stop.wait(1.0):  # a timeout: the wait returns to Python, where the signal handler runs
             pass

@@ -585,6 +585,11 @@ def test_serve_starts_its_own_cluster_beside_a_running_one(ray_cluster, deploy, 
                       env=_serve_env())
     try:  # Serve listens on every interface; the URL printed is one to open here
         assert server.url == f"http://127.0.0.1:{port}" and not any("joined" in ln for ln in server.lines)
+        # where a Python caller of the handle connects (helper-42: "auto" found another cluster)
+        wait_until(lambda: any(ln.startswith("its Ray cluster: ") for ln in server.lines), timeout=30)
+        [said] = [ln for ln in server.lines if ln.startswith("its Ray cluster: ")]
+        address = said.split()[3]
+        assert f"ray.init(address='{address}')" in said and address != ray_cluster["gcs_address"]
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
         assert set(serve.status().applications) == {"ditserve"}  # nothing deployed into this cluster
         # Requests in flight at SIGTERM are each answered: the running batch finishes, the queued
