@@ -130,11 +130,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     # the Ingress ~12 % above its baseline after bench/overload.py's burst.
     light = {"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONMALLOC": "malloc"}}}
     return {"DiTReplica": replica,
-            # no access log: the Router's calls are the app's own (a lease renewed every second by
-            # each Ingress, long polls of running batches), a line each on `serve run`'s console
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S,
-                       "ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S,
-                       "logging_config": {"enable_access_log": False}},
+                       "ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S},
             "Ingress": {"ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S,
                         "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,

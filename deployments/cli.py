@@ -120,11 +120,17 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
              "http_options": schema.http_options.model_dump()}
-            for app in schema.applications if app.import_path == APP_IMPORT_PATH]
+            for app in schema.applications if _is_ditserve(app.import_path)]
     if not apps:
         raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
-    others = [app.name for app in schema.applications if app.import_path != APP_IMPORT_PATH]
+    others = [app.name for app in schema.applications if not _is_ditserve(app.import_path)]
     return apps, others
+
+
+def _is_ditserve(import_path: str) -> bool:
+    """Whether a Serve ``import_path`` names ditserve's application builder, in either of
+    the forms Serve takes (``module:attr`` or ``module.attr``)."""
+    return import_path.replace(":", ".") == APP_IMPORT_PATH.replace(":", ".")
 
 
 def load_serve_config(path: str | Path) -> dict:
@@ -1058,10 +1064,12 @@ def _request_extra(ns) -> dict | None:
     given = {field: argument for field, (attr, argument) in FIELD_ARGUMENTS.items()
              if getattr(ns, attr, None) is not None}
     set_by_command = ("response_format",) if ns.command in ("generate", "edit") else ()
-    for name, _ in _extra_fields(extra, *given, *set_by_command):
+    for name, value in _extra_fields(extra, *given, *set_by_command):
         if name == "response_format":
-            raise UsageError("--extra: response_format is set by the command (it writes the image's bytes); "
-                             "leave it out")
+            if value != "b64_json":  # what the command sends anyway
+                raise UsageError(f"--extra: response_format {shown(value)}: the command reads b64_json (it writes "
+                                 "the image's bytes); leave it out")
+            continue
         raise UsageError(f"--extra: {name} is set by {given[name]} too; give it once")
     if ns.lora:
         return {**extra, "lora": ns.lora}

@@ -407,8 +407,8 @@ class AutoscalingSettings(_Strict):
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)
     metrics_interval_s: float = Field(default=10.0, gt=0)
-    upscaling_factor: float | None = Field(default=None, gt=0, le=100)
-    downscaling_factor: float | None = Field(default=None, gt=0, le=100)
+    upscaling_factor: float | None = Field(default=None, gt=0)  # Serve's bounds (max_replicas bounds the result)
+    downscaling_factor: float | None = Field(default=None, gt=0)
     aggregation_function: Literal["mean", "max", "min"] = "mean"
 
     @model_validator(mode="after")
@@ -498,23 +498,28 @@ def error_message(error: dict, title: str | None = None) -> str:
 
 
 def _section_fields(title: str | None, loc: tuple) -> list[str] | None:
-    """The field names of the config section at ``loc`` of the :class:`_Strict` model named
-    ``title`` (a dict key or list index in ``loc`` passes to the values' model), or None."""
+    """The field names of the config section (a pydantic model: ``cache_dit_params`` too) at
+    ``loc`` of the :class:`_Strict` model named ``title`` (a dict key or list index in ``loc``
+    passes to the values' model), or None."""
     model = next((m for m in _strict_models(_Strict) if m.__name__ == title), None)
     parts = iter(loc)
     for part in parts:
         field = model.model_fields.get(str(part)) if model is not None else None
         if field is None:
             return None
-        annotation = field.annotation
+        annotation = VALIDATED_AS.get((model.__name__, str(part)), field.annotation)
         if get_origin(annotation) in (Union, UnionType):  # X | None
             annotation = next((a for a in get_args(annotation) if a is not type(None)), None)
         if get_origin(annotation) in (dict, list):  # the next part is a key or an index
             annotation = get_args(annotation)[-1]
             if next(parts, None) is None:
                 return None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, _Strict) else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
     return list(model.model_fields) if model is not None else None
+
+
+# Config fields kept as plain mappings but validated by a model of their own: (section, field) -> model
+VALIDATED_AS = {("AccelerationConfig", "cache_dit_params"): CacheDiTParams}
 
 
 def _strict_models(base: type) -> list[type]:

@@ -248,9 +248,11 @@ class DiTReplica:
         first one (right after the start's ``reconfigure``) marks the replica as serving: a bad
         ``user_config`` update is refused from then on (``deployments.live_config``).
 
-        A dead rank actor (``ray.exceptions.ActorDiedError``) breaks the replica at once
-        (:meth:`_break`: it exits, and Serve's next check replaces it), where a failed check
-        alone waits for Serve's three in a row (``REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD``). A
+        A dead rank actor (``ray.exceptions.ActorDiedError``) found while no batch runs breaks
+        the replica at once (:meth:`_break`: it exits, and Serve's next check replaces it), where
+        a failed check alone waits for Serve's three in a row
+        (``REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD``); while a batch runs, the check only fails,
+        so the batch's answer (its requeue, or its outputs) is not cut off by the exit. A
         rank that does not answer within ``RankGroup.check_alive``'s 10 s is left to those three
         checks: a rank slowed by a saturated machine must not cost its replica."""
         self._live.started()
@@ -260,7 +262,10 @@ class DiTReplica:
             try:
                 await self._ranks.check_alive()
             except ActorDiedError as exc:
-                self._break(f"a rank actor died ({type(exc).__name__}), found by a health check")
+                if not self._lock.locked():  # idle: no batch's answer to lose by exiting
+                    self._break(f"a rank actor died ({type(exc).__name__}), found by a health check")
+                # else the running batch ends first: its own failure breaks the replica, or (the rank
+                # died after its part) it answers, and the next check, idle, breaks it
                 raise
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -37,7 +37,7 @@ from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.replica_chooser import adapters_refused_everywhere, chooser_for, replica_count
 from deployments.scheduling import QueueView, ReplicaView, choose_queue, is_urgent, next_wakeup_s
-from deployments.serve_logs import answers_are_not_failures
+from deployments.serve_logs import answers_are_not_failures, no_access_log
 from pipeline.contract.videos import ListOrder, VideoJob, VideoList
 from pipeline.errors import (DitServeError, InternalError, InvalidRequestError, OverloadedError,
                              ReplicaUnavailableError, RequestTimeoutError, ServiceUnavailableError)
@@ -116,6 +116,7 @@ class Router:
                              "autoscaling_config (scale DiTReplica, or the Ingress)")
         os.nice(routing_nice)  # below the proxy, which answers refusals (replica.routing_nice)
         answers_are_not_failures()  # a 429 or 400 it raises is one log line, not a traceback
+        no_access_log()  # its calls are the app's own: a lease renewed every second, long polls
         self._replica = replica
         self._stream = replica.options(stream=True)  # run_batch yields progress, then the outputs
         self._capacity = capacity

@@ -7,6 +7,12 @@ reaches the console of ``serve run`` and of any driver that calls the app's hand
 of the server: a bad field (400), an overload's 429 with ``Retry-After``, a deadline passed
 (504). Each such record becomes one line naming the status, code and message, without the
 traceback (INFO below 500, WARNING from it); anything else keeps Serve's ERROR and traceback.
+
+The Router's calls are the app's own (a lease each Ingress renews every second, the long polls
+of running batches): :func:`no_access_log` leaves them out of its log. A filter in the process,
+not the deployment's ``logging_config``: one of those would replace the application's
+``logging_config`` for the Router (Serve copies an application's only onto deployments that set
+none: ``ray/serve/_private/application_state.py``).
 """
 
 from __future__ import annotations
@@ -38,3 +44,14 @@ def answers_are_not_failures() -> None:
     logger = logging.getLogger(SERVE_LOGGER)
     if not any(isinstance(f, AnswersNotFailures) for f in logger.filters):
         logger.addFilter(AnswersNotFailures())
+
+
+def _not_an_access_log(record: logging.LogRecord) -> bool:
+    return not getattr(record, "serve_access_log", False)  # Serve's access-log records carry it
+
+
+def no_access_log() -> None:
+    """Leave Serve's access-log lines of this process's replica out of its log (once)."""
+    logger = logging.getLogger(SERVE_LOGGER)
+    if _not_an_access_log not in logger.filters:
+        logger.addFilter(_not_an_access_log)

@@ -261,7 +261,8 @@ def test_an_extra_or_a_suffix_that_would_write_other_bytes_is_refused_before_any
     (["generate", "a", "--lora", "magenta", "--extra", '{"lora": [{"name": "other"}]}'],
      "--extra: lora is set by --lora too"),
     (["generate", "a", "--extra", '{"prompt": "b"}'], "--extra: prompt is set by PROMPT too"),
-    (["generate", "a", "--extra", '{"response_format": "url"}'], "--extra: response_format is set by the command"),
+    (["generate", "a", "--extra", '{"response_format": "url"}'],
+     "--extra: response_format 'url': the command reads b64_json"),
     (["edit", "{tmp}/in.png", "a", "--strength", "0.5", "--extra", '{"strength": 0.6}'],
      "--extra: strength is set by --strength too"),
     (["edit", "{tmp}/in.png", "a", "--extra", '{"image": "x"}'], "--extra: image is set by IMAGE too"),
@@ -851,6 +852,11 @@ def test_check_checks_every_ditserve_application_and_serve_refuses_several(tmp_p
     err = capsys.readouterr().err
     assert err.startswith("error: application 'second': bad application args: args.batching.max_batch_size") and \
         err.count("\n") == 1, err
+    dotted = _two_apps({"batching": {"max_batch_size": 5000}})  # Serve's other import path form (helper-44)
+    dotted["applications"][1]["import_path"] = "deployments.app.build_app"
+    path.write_text(yaml.safe_dump(dotted))
+    assert main(["serve", "--config", str(path), "--check"]) == 1
+    assert "application 'second': bad application args" in capsys.readouterr().err
     path.write_text(yaml.safe_dump(_two_apps({"batching": {"max_batch_size": 2}})))
     assert main(["serve", "--config", str(path), "--check"]) == 0
     assert "applications 'ditserve', 'second' pass ditserve's checks" in capsys.readouterr().out

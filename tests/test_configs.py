@@ -142,6 +142,10 @@ def test_the_embedded_names_a_config_may_give_without_a_path_are_the_registrys()
                                                      "'path'?); the fields there: path, default_scale"),
     ({"replica": {"autoscaling": {"zzz": 1}}}, "args.replica.autoscaling.zzz: no such field; the fields there: "
                                                "min_replicas, "),
+    # validated by the request's CacheDiTParams (helper-44: still "Extra inputs are not permitted")
+    ({"acceleration": {"cache_dit_params": {"secondary": {"Fn_compute_blockz": 1}}}},
+     "args.acceleration.cache_dit_params.secondary.Fn_compute_blockz: no such field (did you mean "
+     "'Fn_compute_blocks'?); the fields there: Fn_compute_blocks, "),
     ({"model": {"name": "tiny-flx"}}, "args.model: name 'tiny-flx' is not an embedded model (tiny-flux, "),
     ({"model": {"dtype": "fp16"}}, "args.model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"device": "gpu"}}, "args.model.device: 'gpu' is not a device ditserve runs on; use cpu, cuda or "

@@ -403,8 +403,27 @@ def test_serve_logs_a_ditserve_answer_as_one_line_and_a_failure_with_its_traceba
                     ("ERROR", "Request failed.", True), ("ERROR", "Request failed.", True)]
 
 
-def test_the_routers_calls_are_not_access_logged():
+def test_the_routers_calls_are_not_access_logged_and_its_app_logging_config_stays():
+    """The Router's own calls (a lease renewed every second) were a console line each. Left out
+    by a filter, not a deployment ``logging_config``, which would replace the application's for
+    the Router (helper-44: Serve copies an app's only onto deployments that set none)."""
+    import logging
+
     from deployments.app import deployment_options
     from deployments.config import AppConfig
+    from deployments.serve_logs import SERVE_LOGGER, no_access_log
 
-    assert deployment_options(AppConfig())["Router"]["logging_config"] == {"enable_access_log": False}
+    assert "logging_config" not in deployment_options(AppConfig())["Router"]
+    no_access_log()
+    no_access_log()
+    logger = logging.getLogger(SERVE_LOGGER)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        logger.info("CALL renew_lease OK 0.4ms", extra={"serve_access_log": True})
+        logger.info("the Router's own line")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["the Router's own line"]

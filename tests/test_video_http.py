@@ -291,6 +291,10 @@ def test_a_thumbnail_asked_of_a_running_job_says_whether_a_preview_will_come():
     assert info.value.code == "video_not_ready"
     with pytest.raises(InvalidRequestError, match="no preview of it was decoded yet; retry shortly"):
         jobs.content(with_previews.params.request_id, "thumbnail")
+    one_step = jobs.store.add(dataclasses.replace(_params(3), partial_images=2, num_inference_steps=1))
+    one_step.status = JobStatus.IN_PROGRESS  # helper-44: no step before its last to preview
+    with pytest.raises(InvalidRequestError, match=r"decodes no previews \(one step: none before its last\)"):
+        jobs.content(one_step.params.request_id, "thumbnail")
 
 
 def test_job_store_evicts_by_age_and_count():
