@@ -241,6 +241,12 @@ def test_an_output_suffix_naming_no_image_format_is_refused_before_any_request(t
 ])
 def test_an_extra_or_a_suffix_that_would_write_other_bytes_is_refused_before_any_request(tmp_path, capsys,
                                                                                        argv, said):
+    _refused_before_any_request(tmp_path, capsys, argv, said)
+
+
+def _refused_before_any_request(tmp_path, capsys, argv: list[str], said: str) -> None:
+    """``argv`` (``{tmp}`` for ``tmp_path``, with ``in.png`` there) exits 2 with one line
+    ``error: ...`` holding ``said``, and posts nothing to the server it is pointed at."""
     server = _Answering(200, "application/json", b"{}")
     try:
         (tmp_path / "in.png").write_bytes(b"")
@@ -276,17 +282,8 @@ def test_a_field_given_by_an_argument_and_by_extra_is_refused_before_any_request
     """``--seed 1 --extra '{"seed": 2}'`` ran with seed 1 (``--strength``, ``--lora`` the
     same; ``--extra``'s ``size`` or ``prompt`` silently won over the argument's): one of the
     two was dropped without a word."""
-    server = _Answering(200, "application/json", b"{}")
-    try:
-        (tmp_path / "in.png").write_bytes(b"")
-        output = "v.mp4" if argv[0] == "video" else "o.png"
-        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["-o", str(tmp_path / output), "--url", server.url]
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
-        assert server.posts == 0
-    finally:
-        server.shutdown()
+    output = "v.mp4" if argv[0] == "video" else "o.png"
+    _refused_before_any_request(tmp_path, capsys, [*argv, "-o", f"{{tmp}}/{output}"], said)
 
 
 def test_extra_fields_no_argument_sets_still_reach_the_request(tmp_path, capsys):
