@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from parallel.config import ParallelConfig, sharding_problems
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.contract.base import fields_at
 from pipeline.contract.limits import parse_size
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
@@ -499,23 +500,10 @@ def error_message(error: dict, title: str | None = None) -> str:
 
 def _section_fields(title: str | None, loc: tuple) -> list[str] | None:
     """The field names of the config section (a pydantic model: ``cache_dit_params`` too) at
-    ``loc`` of the :class:`_Strict` model named ``title`` (a dict key or list index in ``loc``
-    passes to the values' model), or None."""
+    ``loc`` of the :class:`_Strict` model named ``title``, or None (``fields_at``)."""
     model = next((m for m in _strict_models(_Strict) if m.__name__ == title), None)
-    parts = iter(loc)
-    for part in parts:
-        field = model.model_fields.get(str(part)) if model is not None else None
-        if field is None:
-            return None
-        annotation = VALIDATED_AS.get((model.__name__, str(part)), field.annotation)
-        if get_origin(annotation) in (Union, UnionType):  # X | None
-            annotation = next((a for a in get_args(annotation) if a is not type(None)), None)
-        if get_origin(annotation) in (dict, list):  # the next part is a key or an index
-            annotation = get_args(annotation)[-1]
-            if next(parts, None) is None:
-                return None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return list(model.model_fields) if model is not None else None
+    fields = fields_at(model, loc, VALIDATED_AS) if model is not None else None
+    return list(fields) if fields is not None else None
 
 
 # Config fields kept as plain mappings but validated by a model of their own: (section, field) -> model
@@ -528,8 +516,8 @@ def _strict_models(base: type) -> list[type]:
 
 def validation_line(exc: ValidationError, where: str = "") -> str:
     """A pydantic ``ValidationError`` as one line: each error's field (dotted, after ``where``)
-    and pydantic's message (less its "Value error, "), ``; ``-separated (its ``str`` runs to many lines and starts with a
-    count: "1 validation error for AppConfig")."""
+    and pydantic's message (less its "Value error, "), ``; ``-separated (its ``str`` runs to
+    many lines and starts with a count: "1 validation error for AppConfig")."""
     said = []
     for error in exc.errors():
         field = ".".join(str(part) for part in (where, *error.get("loc", ())) if part != "")

@@ -220,7 +220,8 @@ class VideoJobs:
                     and (not job.params.partial_images or job.params.effective_steps < 2):
                 # none will come ("retry shortly" would be wrong advice): previews are off, or a
                 # one-step run has no step before its last to preview (pipeline.loop.preview_steps)
-                why = "the server's videos.previews is 0" if not job.params.partial_images else "one step: none before its last"
+                why = ("the server's videos.previews is 0" if not job.params.partial_images
+                       else "one step: none before its last")
                 raise InvalidRequestError(f"video {job_id} is {job.status} and decodes no previews ({why}); its "
                                           "thumbnail exists once it is completed", param="video_id",
                                           code="video_not_ready")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -317,16 +317,24 @@ def _models_in(annotation) -> list[type[BaseModel]]:
     return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
 
 
-def _fields_at(model: type[BaseModel], path: tuple) -> dict | None:
+def fields_at(model: type[BaseModel], path: tuple, validated_as: dict | None = None) -> dict | None:
     """The fields of the (nested) model at ``path`` of ``model`` (None: not a model there);
-    list indices in ``path`` (``lora.0``) stay on the list's item model."""
+    list indices (``lora.0``) and mapping keys (``loras.mine``) in ``path`` stay on the values'
+    model. ``validated_as``: ``{(model name, field name): model}`` for fields kept as plain
+    mappings but validated by a model of their own."""
+    key_next = False
     for part in path:
-        if isinstance(part, int):
+        if key_next or isinstance(part, int):
+            key_next = False
             continue
         field = model.model_fields.get(str(part))
-        candidates = _models_in(getattr(field, "annotation", None))
+        if field is None:
+            return None
+        annotation = (validated_as or {}).get((model.__name__, str(part)), field.annotation)
+        candidates = _models_in(annotation)
         if not candidates:
             return None
+        key_next = any(get_origin(a) is dict for a in (annotation, *get_args(annotation)))
         model = candidates[0]
     return model.model_fields
 
@@ -342,7 +350,7 @@ def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
     if error.get("type") == "extra_forbidden":
         if len(loc) == 1:  # keys are echoed cut short, as values are
             return top[:40], f"unknown field {shown(top)}{did_you_mean(top, (*model.model_fields, 'extra_body'))}"
-        allowed = _fields_at(model, loc[:-1]) or {}
+        allowed = fields_at(model, loc[:-1]) or {}
         parent = ".".join(str(p) for p in loc[:-1])
         return top[:40], f"{parent[:80]} has unknown key {shown(str(loc[-1]))}; allowed: {', '.join(allowed)}"
     if message.startswith((path, top)):
