@@ -7,6 +7,7 @@ unsharded forward of the same weights on the same inputs, computed in the same p
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -108,97 +109,111 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     what it measured to ``out_dir/rank<r>.json``."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel import flux as flux_sp
     from parallel.config import ParallelConfig
-    from parallel.fsdp import is_sharded, shard_transformer
     from parallel.groups import join, leave
 
     config = ParallelConfig(ulysses_degree=WORLD_SIZE)
     sp_mesh = join(rank, config, "127.0.0.1", port, "cpu", timeout_s=60)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    found = {}
     try:
-        # FLUX.1: equality, bytes, what the sharded module looks like afterwards
-        transformer = _flux()
-        inputs = _flux_inputs(transformer)
-        reference = _forward(transformer, inputs)
-        before = local_parameter_bytes(transformer)
-        shard_transformer(transformer, mesh)
-        after = local_parameter_bytes(transformer)
-        first, second = _forward(transformer, inputs), _forward(transformer, inputs)
-        with pytest.raises(RuntimeError, match="torch.no_grad"):
-            with torch.inference_mode():
-                transformer(**inputs)
-        with pytest.raises(ValueError, match="already sharded"):
-            shard_transformer(transformer, mesh)
-        with pytest.raises(ValueError, match="1-D device mesh"):
-            shard_transformer(_flux(), sp_mesh)  # (ring, ulysses): 2-D
-        found["flux"] = dict(diff=_diff(first, reference), diff_again=_diff(second, reference), before=before,
-                             after=after, after_forward=local_parameter_bytes(transformer),
-                             name=type(transformer).__name__, fsdp=is_sharded(transformer))
-
-        # FLUX.1 with an eager LoRA adapter loaded after sharding, set, disabled, deleted
-        lora = dict(pretrained_model_name_or_path_or_dict=str(_lora_dir("magenta")),
-                    weight_name="pytorch_lora_weights.safetensors", prefix="transformer", adapter_name="magenta")
-        plain = _flux()
-        plain.load_lora_adapter(**lora)
-        plain.set_adapters(["magenta"], [0.8])
-        adapted = _forward(plain, inputs)
-        transformer.load_lora_adapter(**lora)
-        transformer.set_adapters(["magenta"], [0.8])
-        found["lora"] = dict(diff=_diff(_forward(transformer, inputs), adapted),
-                             changed=_diff(adapted, reference), bytes=local_parameter_bytes(transformer))
-        transformer.disable_lora()
-        found["lora"]["disabled"] = _diff(_forward(transformer, inputs), reference)
-        transformer.enable_lora()
-        transformer.delete_adapters("magenta")
-        found["lora"]["deleted_bytes"] = local_parameter_bytes(transformer)
-        # ... but an adapter injected before sharding cannot be hot-swapped (the refusal's reason)
-        slotted = _flux()
-        slotted.load_lora_adapter(**{**lora, "adapter_name": "slot"})
-        shard_transformer(slotted, mesh)
-        try:
-            slotted.load_lora_adapter(**{**lora, "adapter_name": "slot", "hotswap": True})
-            found["hotswap_into_shards"] = "worked"
-        except RuntimeError as exc:
-            found["hotswap_into_shards"] = str(exc)
-
-        # Wan: equality and bytes (None: a mesh over the whole default group)
-        transformer = _wan()
-        inputs = _wan_inputs(transformer)
-        reference = _forward(transformer, inputs)
-        before = local_parameter_bytes(transformer)
-        shard_transformer(transformer, None)
-        found["wan"] = dict(diff=_diff(_forward(transformer, inputs), reference), before=before,
-                            after=local_parameter_bytes(transformer),
-                            buffers=sum(b.numel() * b.element_size() for b in transformer.buffers()))
-
-        # FLUX.1 under cache-dit, mounted by the replica's executor (cache-dit's own adapter)
-        inputs = _flux_inputs(_flux())
-        expected, expected_cached = _cached_run(_flux(), inputs)
-        transformer = _flux()
-        shard_transformer(transformer, mesh)
-        latents, cached = _cached_run(transformer, inputs)
-        found["cache_dit"] = dict(diff=_diff(latents, expected), cached=cached, expected_cached=expected_cached)
-
-        # FLUX.1 sequence-parallel (yunchang processors + diffusers' split/gather hooks) and sharded
-        inputs = _flux_inputs(_flux())
-        reference = _forward(_flux(), inputs)
-        sp_only = _flux()
-        flux_sp.enable_sequence_parallel(sp_only, config, sp_mesh, rank)
-        sp_reference = _forward(sp_only, inputs)
-        transformer = _flux()
-        shard_transformer(transformer, mesh)
-        flux_sp.enable_sequence_parallel(transformer, config, sp_mesh, rank)
-        output = _forward(transformer, inputs)
-        found["sequence_parallel"] = dict(diff=_diff(output, reference), diff_sp=_diff(output, sp_reference),
-                                          shape=list(output.shape))
+        found = _scenarios(rank, config, sp_mesh, mesh)
+        # What the scenarios built sits in reference cycles (modules, hooks, FSDP state holding gloo
+        # work): collected here, before the group goes, both ranks done. Left to the interpreter's exit,
+        # it aborted the process now and then ("terminate called without an active exception": 4 and 3
+        # of 40 spawns without this collect and barrier, 0 of 40 with them).
+        gc.collect()
+        dist.barrier()
     finally:
         leave()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(found, f)
+
+
+def _scenarios(rank: int, config, sp_mesh, mesh) -> dict:
+    """Every sharded scenario on this rank: what it measured, by scenario name."""
+    from parallel import flux as flux_sp
+    from parallel.fsdp import is_sharded, shard_transformer
+
+    found = {}
+    # FLUX.1: equality, bytes, what the sharded module looks like afterwards
+    transformer = _flux()
+    inputs = _flux_inputs(transformer)
+    reference = _forward(transformer, inputs)
+    before = local_parameter_bytes(transformer)
+    shard_transformer(transformer, mesh)
+    after = local_parameter_bytes(transformer)
+    first, second = _forward(transformer, inputs), _forward(transformer, inputs)
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        with torch.inference_mode():
+            transformer(**inputs)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_transformer(transformer, mesh)
+    with pytest.raises(ValueError, match="1-D device mesh"):
+        shard_transformer(_flux(), sp_mesh)  # (ring, ulysses): 2-D
+    found["flux"] = dict(diff=_diff(first, reference), diff_again=_diff(second, reference), before=before,
+                         after=after, after_forward=local_parameter_bytes(transformer),
+                         name=type(transformer).__name__, fsdp=is_sharded(transformer))
+
+    # FLUX.1 with an eager LoRA adapter loaded after sharding, set, disabled, deleted
+    lora = dict(pretrained_model_name_or_path_or_dict=str(_lora_dir("magenta")),
+                weight_name="pytorch_lora_weights.safetensors", prefix="transformer", adapter_name="magenta")
+    plain = _flux()
+    plain.load_lora_adapter(**lora)
+    plain.set_adapters(["magenta"], [0.8])
+    adapted = _forward(plain, inputs)
+    transformer.load_lora_adapter(**lora)
+    transformer.set_adapters(["magenta"], [0.8])
+    found["lora"] = dict(diff=_diff(_forward(transformer, inputs), adapted),
+                         changed=_diff(adapted, reference), bytes=local_parameter_bytes(transformer))
+    transformer.disable_lora()
+    found["lora"]["disabled"] = _diff(_forward(transformer, inputs), reference)
+    transformer.enable_lora()
+    transformer.delete_adapters("magenta")
+    found["lora"]["deleted_bytes"] = local_parameter_bytes(transformer)
+    # ... but an adapter injected before sharding cannot be hot-swapped (the refusal's reason)
+    slotted = _flux()
+    slotted.load_lora_adapter(**{**lora, "adapter_name": "slot"})
+    shard_transformer(slotted, mesh)
+    try:
+        slotted.load_lora_adapter(**{**lora, "adapter_name": "slot", "hotswap": True})
+        found["hotswap_into_shards"] = "worked"
+    except RuntimeError as exc:
+        found["hotswap_into_shards"] = str(exc)
+
+    # Wan: equality and bytes (None: a mesh over the whole default group)
+    transformer = _wan()
+    inputs = _wan_inputs(transformer)
+    reference = _forward(transformer, inputs)
+    before = local_parameter_bytes(transformer)
+    shard_transformer(transformer, None)
+    found["wan"] = dict(diff=_diff(_forward(transformer, inputs), reference), before=before,
+                        after=local_parameter_bytes(transformer),
+                        buffers=sum(b.numel() * b.element_size() for b in transformer.buffers()))
+
+    # FLUX.1 under cache-dit, mounted by the replica's executor (cache-dit's own adapter)
+    inputs = _flux_inputs(_flux())
+    expected, expected_cached = _cached_run(_flux(), inputs)
+    transformer = _flux()
+    shard_transformer(transformer, mesh)
+    latents, cached = _cached_run(transformer, inputs)
+    found["cache_dit"] = dict(diff=_diff(latents, expected), cached=cached, expected_cached=expected_cached)
+
+    # FLUX.1 sequence-parallel (yunchang processors + diffusers' split/gather hooks) and sharded
+    inputs = _flux_inputs(_flux())
+    reference = _forward(_flux(), inputs)
+    sp_only = _flux()
+    flux_sp.enable_sequence_parallel(sp_only, config, sp_mesh, rank)
+    sp_reference = _forward(sp_only, inputs)
+    transformer = _flux()
+    shard_transformer(transformer, mesh)
+    flux_sp.enable_sequence_parallel(transformer, config, sp_mesh, rank)
+    output = _forward(transformer, inputs)
+    found["sequence_parallel"] = dict(diff=_diff(output, reference), diff_sp=_diff(output, sp_reference),
+                                      shape=list(output.shape))
+    return found
 
 
 def _lora_dir(name: str):
