@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -495,7 +496,36 @@ def error_message(error: dict, title: str | None = None) -> str:
         fields = _section_fields(title, loc[:-1])
         if fields is not None:
             return f"no such field{did_you_mean(loc[-1], fields)}; the fields there: {', '.join(fields)}"
-    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ") + _yaml_number_hint(error)
+
+
+# pydantic's error types for a number field given something else
+_NUMBER_ERRORS = {"int_parsing", "int_type", "float_parsing", "float_type", "int_from_float", "finite_number"}
+
+
+def _yaml_number_hint(error: dict) -> str:
+    """For a number field given text that is a number (``1e5``): the YAML 1.1 rule that makes it
+    text and how to write it (an integer plainly, else ``1.0e+300``); "" for any other error.
+    PyYAML, which Serve and ``ditserve serve`` read configs with, takes an exponent only after a
+    dot and with a sign (YAML 1.1's float pattern, https://yaml.org/type/float.html): ``1e5`` is
+    the string ``"1e5"``."""
+    value = error.get("input")
+    if error.get("type") not in _NUMBER_ERRORS or not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    if number.is_integer() and abs(number) < 1e18:
+        plain = str(int(number))
+    else:
+        mantissa, exponent = f"{number:.15e}".split("e")
+        mantissa = mantissa.rstrip("0") + ("0" if mantissa.rstrip("0").endswith(".") else "")
+        plain = f"{mantissa}e{int(exponent):+d}"
+    return (f" (got the text {value!r}: YAML 1.1 reads an exponent as a number only after a dot and with a sign; "
+            f"write {plain})")
 
 
 def _section_fields(title: str | None, loc: tuple) -> list[str] | None:

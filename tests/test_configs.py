@@ -169,3 +169,23 @@ def test_a_router_user_config_key_misspelt_names_the_knobs():
         batching_update(BatchingConfig().model_dump(), {"max_wait_mss": 5})
     assert validation_line(info.value).startswith("max_wait_mss: no such field (did you mean 'max_wait_ms'?); "
                                                   "the fields there: max_batch_size, ")
+
+
+@pytest.mark.parametrize("text, field, written", [
+    ("limits: {max_pixels: 1e5}", "args.limits.max_pixels", "100000"),
+    ("acceleration: {cache_dit_params: {residual_diff_threshold: 1e-3}}",
+     "args.acceleration.cache_dit_params.residual_diff_threshold", "1.0e-3"),
+    ("batching: {max_batch_size: 1.6e1}", "args.batching.max_batch_size", "16"),
+])
+def test_a_number_yaml_reads_as_text_is_told_how_to_write(text, field, written):
+    """YAML 1.1 (PyYAML, what Serve reads configs with) takes ``1e5`` for the string "1e5": the
+    message said only "unable to parse string as an integer" of a number as written. It now says
+    the rule and the form to write, and that form is read as the number."""
+    from deployments.config import validation_line
+
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(yaml.safe_load(text))
+    said = validation_line(info.value, "args")
+    assert said.startswith(f"{field}: ") and said.endswith(
+        f"YAML 1.1 reads an exponent as a number only after a dot and with a sign; write {written})"), said
+    AppConfig.model_validate(yaml.safe_load(text.replace(text.split(": ")[-1].rstrip("}"), written)))
