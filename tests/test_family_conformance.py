@@ -24,6 +24,34 @@ def test_every_registered_family_has_a_tiny_model():
     assert set(REGISTRY) == {model.family for model in EMBEDDED.values()}
 
 
+def test_a_hub_id_family_is_detected_from_the_local_hugging_face_cache_or_refused_naming_model_path(
+        tmp_path, monkeypatch):
+    """helper-45: ``model.path`` a hub id without ``model.family`` failed every replica's start with
+    ``FileNotFoundError: 'black-forest-labs/FLUX.1-dev/model_index.json'`` (only a directory was
+    read), and a Wan hub id was taken for text-to-video unread. A cached hub id is read from the
+    cache (the layout huggingface_hub writes); an uncached one is refused, naming the field."""
+    import huggingface_hub.constants
+
+    from pipeline.families import detect_family, model_index
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        detect_family("black-forest-labs/FLUX.1-dev")
+    assert str(info.value).startswith("model.path 'black-forest-labs/FLUX.1-dev' has no model_index.json: it is "
+                                      "neither a local diffusers directory nor a hub id in this machine's Hugging "
+                                      "Face cache")
+    assert "`hf download black-forest-labs/FLUX.1-dev --local-dir DIR`" in str(info.value)
+    with pytest.raises(ValueError, match="model.path 'no such dir/x y' has no model_index.json"):
+        model_index("no such dir/x y")  # neither a directory nor a valid hub id
+
+    repo = tmp_path / "models--black-forest-labs--FLUX.1-dev"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    assert detect_family("black-forest-labs/FLUX.1-dev") == "flux"
+
+
 def _params(family, name: str, seed: int, **fields):
     if family.temporal_factor:
         return video_params(family, f"a red circle {seed}", seed, num_frames=5, size="32x32",

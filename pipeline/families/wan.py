@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from compat import diffusers as compat
+from pipeline.families import model_index
 from pipeline.families.base import (count_blocks, linear_guidance, load_pipeline, parameter_bytes, pixel_tensor,
                                     run_vae, tokenizer_special_tokens, vae_config)
 from pipeline.modes import DualMode, GuidanceMode, InputMode
@@ -109,10 +110,9 @@ class WanFamily:
         sidecar = Path(path) / "ditserve.json"
         if dual_transformer is None and sidecar.exists():
             dual_transformer = json.loads(sidecar.read_text()).get("dual_transformer")
-        index = Path(path) / "model_index.json"
-        class_name = json.loads(index.read_text())["_class_name"] if index.exists() else "WanPipeline"
+        config = model_index(path)
+        class_name = config["_class_name"]
         if class_name == "WanImageToVideoPipeline":
-            config = json.loads(index.read_text())
             if not config.get("expand_timesteps") or (config.get("image_encoder") or [None])[0] is not None:
                 raise ValueError("Wan 2.1-style image-to-video (CLIP image encoder, channel-concatenated "
                                  "condition) is not served; Wan 2.2-style latent conditioning (expand_timesteps, "
