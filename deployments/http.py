@@ -412,23 +412,29 @@ def query_params(request: Request, accepted: tuple[str, ...]) -> dict[str, str]:
 
 
 # -- authentication ---------------------------------------------------------------------------
-def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None) -> tuple[str, ...]:
+def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None,
+                  field: str = "api_keys") -> tuple[str, ...]:
     """The accepted API keys: one per line (or comma-separated) in environment variable
-    ``api_keys_env`` and in file ``api_keys_file``. Raises ``ValueError`` when a source is
-    configured but yields no key (an open server by mistake)."""
+    ``api_keys_env`` and in file ``api_keys_file``. Raises ``ValueError`` naming
+    ``auth.<field>_env`` / ``auth.<field>_file`` when a source is configured but yields no key
+    (an open server by mistake)."""
     keys: list[str] = []
     if api_keys_env is not None:
         found = [k for k in re.split(r"[\s,]+", os.environ.get(api_keys_env, "")) if k]
         if not found:  # unset, empty, or separators only (",")
-            raise ValueError(f"auth.api_keys_env names {api_keys_env}, which is unset or holds no key")
+            raise ValueError(f"auth.{field}_env names {api_keys_env}, which is unset or holds no key in the "
+                             "Ingress replica's environment: Ray gives replicas the environment of the Ray node "
+                             "(where `ray start` ran, or `ditserve serve` when it starts the cluster), not the "
+                             f"deploying shell's; set {api_keys_env} there, or in the application's "
+                             "runtime_env.env_vars")
         keys += found
     if api_keys_file is not None:
         path = Path(api_keys_file)
         if not path.is_file():
-            raise ValueError(f"auth.api_keys_file {api_keys_file} is not a readable file")
+            raise ValueError(f"auth.{field}_file {api_keys_file} is not a readable file")
         found = [k for k in re.split(r"[\s,]+", path.read_text()) if k]
         if not found:
-            raise ValueError(f"auth.api_keys_file {api_keys_file} holds no key")
+            raise ValueError(f"auth.{field}_file {api_keys_file} holds no key")
         keys += found
     return tuple(keys)
 

@@ -170,7 +170,7 @@ class Ingress:
         self._max_body_bytes = limits["max_body_bytes"]
         auth = config.get("auth") or {}
         keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
-        batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"))
+        batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"), "batch_api_keys")
         api.state.api_keys = tuple(k.encode() for k in (*keys, *batch_keys))
         api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
         api.state.admission_limit = config.get("admission_limit")  # for the proxy's AdmissionGate

@@ -242,11 +242,17 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
     assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
     for blank in (" ", ",", " ,\n, "):  # separators only served with auth off, saying nothing
         monkeypatch.setenv("DITSERVE_EMPTY", blank)
-        with pytest.raises(ValueError, match="unset or holds no key"):
+        with pytest.raises(ValueError, match="^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no "
+                                             "key in the Ingress replica's environment: Ray gives replicas the "
+                                             "environment of the Ray node"):
             load_api_keys("DITSERVE_EMPTY")
+        with pytest.raises(ValueError, match="^auth.batch_api_keys_env names DITSERVE_EMPTY, "):  # was api_keys_env
+            load_api_keys("DITSERVE_EMPTY", field="batch_api_keys")
         (tmp_path / "blank").write_text(blank)
-        with pytest.raises(ValueError, match="holds no key"):
+        with pytest.raises(ValueError, match="^auth.api_keys_file .* holds no key"):
             load_api_keys(None, str(tmp_path / "blank"))
+        with pytest.raises(ValueError, match="^auth.batch_api_keys_file .* holds no key"):
+            load_api_keys(None, str(tmp_path / "blank"), "batch_api_keys")
     with pytest.raises(ValueError, match="not a readable file"):
         load_api_keys(None, str(tmp_path / "missing"))
 
