@@ -293,6 +293,11 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
             built.pop("autoscaling_config", None)
         options[name] = {**built, **entry}
     check_same_loras(deployments or (), config)
+    bundles = options["DiTReplica"].get("placement_group_bundles")
+    if config.parallel.world_size > 1 and len(bundles or ()) != config.parallel.world_size:  # the rank group's check
+        raise ValueError(f"deployments: DiTReplica's placement_group_bundles has {len(bundles or ())} bundle(s); "
+                         f"world_size={config.parallel.world_size} (args.parallel) needs one per rank; leave it "
+                         "out to have it built from replica.rank_resources")
     try:
         initial_replicas, most_replicas = replica_counts(options["DiTReplica"], config)
     except ValidationError as exc:

@@ -181,8 +181,9 @@ class RankGroup:
         self.rendezvous_timeout_s = float(parallel.get("rendezvous_timeout_s", 600.0))
         pg = ray.util.get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.config.world_size:
-            raise ValueError(f"world_size={self.config.world_size} needs one placement-group bundle per rank; "
-                             f"the replica has {0 if pg is None else len(pg.bundle_specs)}")
+            raise ValueError(f"world_size={self.config.world_size} needs one placement-group bundle per rank "
+                             f"(DiTReplica's placement_group_bundles, built from replica.rank_resources); the replica "
+                             f"has {0 if pg is None else len(pg.bundle_specs)}")
         self.workers = [
             RankWorker.options(
                 name=f"{name_prefix}-rank{rank}",

@@ -57,6 +57,12 @@ def test_a_deployments_entry_must_name_a_deployment_of_the_app():
     with pytest.raises(ValueError, match="deployments: DiTReplica has more than one entry"):
         bind_app({}, [{"name": "DiTReplica", "num_replicas": 2}, {"name": "Router", "user_config": {}},
                       {"name": "DiTReplica", "ray_actor_options": {"num_cpus": 2}}])
+    # helper-45: passed --check, then each replica's start failed without naming the option
+    with pytest.raises(ValueError, match=r"^deployments: DiTReplica's placement_group_bundles has 1 bundle\(s\); "
+                                         r"world_size=2 \(args.parallel\) needs one per rank; leave it out"):
+        bind_app({"parallel": {"ulysses_degree": 2}}, [{"name": "DiTReplica", "placement_group_bundles": [{"CPU": 1}]}])
+    bind_app({"parallel": {"ulysses_degree": 2}}, [{"name": "DiTReplica", "placement_group_bundles": [{"CPU": 1}] * 2}])
+    bind_app({}, [{"name": "DiTReplica", "placement_group_bundles": [{"CPU": 1}]}])  # one rank: Serve's own option
 
 
 @pytest.mark.parametrize("args, deployments, most_replicas, initial_replicas", [
