@@ -288,9 +288,11 @@ def test_sizes_must_split_across_the_ranks_unless_the_model_pads_its_sequence():
                                dataclasses.replace(two, world_size=3, sequence_multiple=32))
     with pytest.raises(InvalidRequestError) as info:  # the numbers and the rule
         validate_image_request({"prompt": "x", "size": "24x24"}, two)
-    assert info.value.param == "size" and ("size: size 24x24 is (24/8)·(24/8) = 9 latent tokens" in str(info.value)
-                                           and "allowed: sizes whose (width/8)·(height/8) is a multiple of 2"
-                                           in str(info.value))
+    assert info.value.param == "size" and str(info.value).startswith("size 24x24 is (24/8)·(24/8) = 9 latent tokens, "
+                                                                     "which cannot be split evenly")  # helper-45:
+    assert "allowed: sizes whose (width/8)·(height/8) is a multiple of 2" in str(info.value)  # was "size: size"
+    with pytest.raises(InvalidRequestError, match=r"^size 8x8 is \(8/8\)·\(8/8\) = 1 latent token, which"):
+        validate_image_request({"prompt": "x", "size": "8x8"}, two)
 
 
 def test_a_video_that_cannot_split_names_its_frames_beside_its_size():

@@ -300,14 +300,14 @@ class GenerationRequest(BaseModel):
     def check_split(self, limits: ServingLimits | None, latent_frames: int, frames_field: str | None = None) -> None:
         """Sequence parallelism splits the latent tokens of a sample evenly across the ranks
         (unless the model pads its sequence to a multiple the ranks divide: any size splits).
-        Raises ``ValueError`` starting ``size:`` (:func:`split_problem`: the numbers and the
-        rule, naming ``frames_field`` too for a video)."""
+        Raises ``ValueError`` starting ``size WxH`` (:func:`split_problem`: the numbers and the
+        rule, naming ``frames_field`` too for a video; ``describe_error`` reads the field from it)."""
         if not limits:
             return
         width, height = parse_size(self.size) if self.size else (limits.default_width, limits.default_height)
         problem = split_problem(width, height, limits, latent_frames, frames_field)
         if problem:
-            raise ValueError(f"size: {problem}")
+            raise ValueError(problem)
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:

@@ -134,7 +134,8 @@ def split_problem(width: int, height: int, limits: ServingLimits, latent_frames:
                 f"{per_frame}·{latent_frames} = {tokens} latent tokens, which cannot be split evenly across the "
                 f"replica's {world} sequence-parallel ranks; allowed: a size and frame count whose latent tokens "
                 f"(width/{f})·(height/{f})·latent frames are a multiple of {world}")
-    return (f"size {width}x{height} is {per_frame} = {tokens} latent tokens, which cannot be split evenly across the "
+    tokens_said = "1 latent token" if tokens == 1 else f"{tokens} latent tokens"
+    return (f"size {width}x{height} is {per_frame} = {tokens_said}, which cannot be split evenly across the "
             f"replica's {world} sequence-parallel ranks; allowed: sizes whose (width/{f})·(height/{f}) is a "
             f"multiple of {world}")
 
