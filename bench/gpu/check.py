@@ -999,7 +999,9 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     if cuda:
-        assert torch.cuda.is_available(), "no CUDA device (use --device cpu for a smoke run)"
+        if not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; "
+                     "--device cpu makes a smoke run of the checks that run on CPU")
         print(f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}", flush=True)
     started, t_start = datetime.now(timezone.utc), time.perf_counter()
     checks = []
