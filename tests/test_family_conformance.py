@@ -24,32 +24,39 @@ def test_every_registered_family_has_a_tiny_model():
     assert set(REGISTRY) == {model.family for model in EMBEDDED.values()}
 
 
-def test_a_hub_id_family_is_detected_from_the_local_hugging_face_cache_or_refused_naming_model_path(
-        tmp_path, monkeypatch):
+def test_a_hub_id_is_loaded_from_the_local_hugging_face_cache_or_refused_naming_model_path(tmp_path, monkeypatch):
     """helper-45: ``model.path`` a hub id without ``model.family`` failed every replica's start with
     ``FileNotFoundError: 'black-forest-labs/FLUX.1-dev/model_index.json'`` (only a directory was
-    read), and a Wan hub id was taken for text-to-video unread. A cached hub id is read from the
-    cache (the layout huggingface_hub writes); an uncached one is refused, naming the field."""
+    read), a Wan hub id was taken for text-to-video unread, and (helper-46) a hub id with
+    ``model.family`` given was downloaded on a node that is online. A hub id now resolves to its
+    snapshot in the local cache (the layout huggingface_hub writes), read like a directory; one
+    not cached is refused, naming the field; nothing is downloaded."""
     import huggingface_hub.constants
 
-    from pipeline.families import detect_family, model_index
+    from pipeline.families import detect_family
+    from pipeline.tiny.registry import resolve_checkpoint
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ValueError) as info:
-        detect_family("black-forest-labs/FLUX.1-dev")
-    assert str(info.value).startswith("model.path 'black-forest-labs/FLUX.1-dev' has no model_index.json: it is "
-                                      "neither a local diffusers directory nor a hub id in this machine's Hugging "
-                                      "Face cache")
-    assert "`hf download black-forest-labs/FLUX.1-dev --local-dir DIR`" in str(info.value)
-    with pytest.raises(ValueError, match="model.path 'no such dir/x y' has no model_index.json"):
-        model_index("no such dir/x y")  # neither a directory nor a valid hub id
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_checkpoint("flux-dev", "black-forest-labs/FLUX.1-dev")
+    assert str(info.value) == ("model.path 'black-forest-labs/FLUX.1-dev' is neither a directory on this node nor a "
+                               "hub id in its Hugging Face cache (ditserve downloads nothing: `hf download "
+                               "black-forest-labs/FLUX.1-dev --local-dir DIR` on a machine that is online, then give "
+                               "DIR)")
+    with pytest.raises(FileNotFoundError, match="^model.path 'no such dir/x y' is neither a directory"):
+        resolve_checkpoint("flux-dev", "no such dir/x y")  # not a valid hub id either
+    with pytest.raises(FileNotFoundError, match="^model.path /models/FLUX.1-dev: no such directory on this node$"):
+        resolve_checkpoint("flux-dev", "/models/FLUX.1-dev")  # a volume not mounted
+    with pytest.raises(FileNotFoundError, match="is not a diffusers checkpoint \\(no model_index.json\\)"):
+        resolve_checkpoint("flux-dev", str(tmp_path))
 
     repo = tmp_path / "models--black-forest-labs--FLUX.1-dev"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0123abcd")
     (repo / "snapshots" / "0123abcd").mkdir(parents=True)
     (repo / "snapshots" / "0123abcd" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    assert detect_family("black-forest-labs/FLUX.1-dev") == "flux"
+    checkpoint = resolve_checkpoint("flux-dev", "black-forest-labs/FLUX.1-dev")
+    assert checkpoint == repo / "snapshots" / "0123abcd" and detect_family(checkpoint) == "flux"
 
 
 def _params(family, name: str, seed: int, **fields):

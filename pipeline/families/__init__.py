@@ -31,30 +31,17 @@ def family_class(name: str) -> type:
 
 
 def model_index(path: str | Path) -> dict:
-    """A checkpoint's ``model_index.json``: of a local diffusers directory, or of a hub id
-    (``black-forest-labs/FLUX.1-dev``) from this machine's Hugging Face cache (ditserve never
-    downloads; ``huggingface_hub.try_to_load_from_cache``). Raises ``ValueError`` naming
-    ``model.path`` when neither has one."""
-    local = Path(path).expanduser()
-    index = local / "model_index.json"
-    if not local.is_dir():
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            cached = try_to_load_from_cache(str(path), "model_index.json")
-        except ValueError:  # not a hub id either (HFValidationError is one)
-            cached = None
-        index = Path(cached) if isinstance(cached, str) else None
-    if index is None or not index.is_file():
-        raise ValueError(f"model.path {str(path)!r} has no model_index.json: it is neither a local diffusers "
-                         "directory nor a hub id in this machine's Hugging Face cache (ditserve downloads nothing; "
-                         f"`hf download {path} --local-dir DIR` on a machine that is online, then give DIR)")
+    """The ``model_index.json`` of the diffusers checkpoint directory ``path`` (a hub id is
+    resolved to its cached directory first: ``pipeline.tiny.registry.resolve_checkpoint``).
+    Raises ``ValueError`` when the directory has none."""
+    index = Path(path).expanduser() / "model_index.json"
+    if not index.is_file():
+        raise ValueError(f"{path} has no model_index.json: not a diffusers checkpoint directory")
     return json.loads(index.read_text())
 
 
 def detect_family(path: str | Path) -> str:
-    """Family of a diffusers checkpoint (a directory, or a cached hub id: :func:`model_index`),
-    from ``model_index.json``'s ``_class_name``.
+    """Family of a diffusers checkpoint directory, from ``model_index.json``'s ``_class_name``.
 
     Raises ``ValueError`` if no registered family serves that pipeline class, or if the
     checkpoint has no ``model_index.json`` here.

@@ -65,11 +65,15 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 
 
-def resolve_checkpoint(name: str, path: str | None) -> Path | str:
-    """The checkpoint to load: ``path`` if given, else the embedded model of that name.
+def resolve_checkpoint(name: str, path: str | None) -> Path:
+    """The checkpoint directory to load: ``path`` if given, else the embedded model of that name.
 
-    Raises ``FileNotFoundError`` for a ``path`` that is neither a local diffusers directory
-    nor (where the machine is online) a hub id, or for an unknown name without a path.
+    ``path`` is a local diffusers directory, or a hub id (``black-forest-labs/FLUX.1-dev``)
+    already in this node's Hugging Face cache, resolved to its cached snapshot
+    (``huggingface_hub.snapshot_download(local_files_only=True)``): ditserve downloads nothing,
+    and what loads is what the cache holds. Raises ``FileNotFoundError`` naming ``model.path``
+    for a path that is neither, a directory without ``model_index.json``, or an unknown name
+    without a path.
     """
     if path is None:
         if name not in EMBEDDED:
@@ -78,9 +82,19 @@ def resolve_checkpoint(name: str, path: str | None) -> Path | str:
     local = Path(path).expanduser()
     if local.exists():
         if not (local / "model_index.json").exists():
-            raise FileNotFoundError(f"{local} is not a diffusers checkpoint (no model_index.json)")
+            raise FileNotFoundError(f"model.path {path}: {local} is not a diffusers checkpoint (no model_index.json)")
         return local
-    return path
+    if local.is_absolute() or str(path).startswith(("~", ".")):
+        raise FileNotFoundError(f"model.path {path}: no such directory on this node")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError):  # not cached; not a hub id (HFValidationError)
+        raise FileNotFoundError(f"model.path {path!r} is neither a directory on this node nor a hub id in its "
+                                "Hugging Face cache (ditserve downloads nothing: `hf download "
+                                f"{path} --local-dir DIR` on a machine that is online, then give DIR)") from None
 
 
 if __name__ == "__main__":
