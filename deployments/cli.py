@@ -119,8 +119,10 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
                           "(Ray Serve's config schema has no such field)")
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
-             "http_options": schema.http_options.model_dump()}
-            for app in schema.applications if _is_ditserve(app.import_path)]
+             "http_options": schema.http_options.model_dump(),
+             "not_applied": [f"applications[{i}].{field}" for field in app.model_dump(exclude_unset=True)
+                             if field not in APPLIED_APP_FIELDS]}
+            for i, app in enumerate(schema.applications) if _is_ditserve(app.import_path)]
     if not apps:
         raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
     others = [app.name for app in schema.applications if not _is_ditserve(app.import_path)]
@@ -136,14 +138,25 @@ def _is_ditserve(import_path: str) -> bool:
 def load_serve_config(path: str | Path) -> dict:
     """:func:`load_serve_configs` for a file of one application, the ditserve one, which
     ``ditserve serve`` runs. Raises :class:`CannotStart` also for a file of several (only the
-    first was run, the others silently left out)."""
+    first was run, the others silently left out), and for an application field the in-process
+    deploy does not apply (``runtime_env``, ``logging_config``, ...: silently dropped before)."""
     apps, others = load_serve_configs(path)
     if len(apps) + len(others) > 1:
         names = ", ".join(repr(name) for name in [*(app["name"] for app in apps), *others])
         raise CannotStart(f"{path} has {len(apps) + len(others)} applications ({names}); `ditserve serve` runs "
                           "one ditserve application: keep one in the file, or deploy it whole with `serve deploy` "
                           "(`ditserve serve --check` checks each ditserve application of it)")
+    not_applied = apps[0]["not_applied"]
+    if not_applied:  # Serve's fields of an application that the in-process deploy has no way to apply
+        one = len(not_applied) == 1
+        raise CannotStart(f"{path}: {', '.join(not_applied)}: `ditserve serve` deploys the application in-process "
+                          f"and does not apply {'this field' if one else 'these fields'}; deploy the file with "
+                          f"`serve run {path}` (or `serve deploy`), or leave {'it' if one else 'them'} out")
     return apps[0]
+
+
+# An application's fields in a Serve config file that `ditserve serve` applies (the others it refuses)
+APPLIED_APP_FIELDS = ("name", "import_path", "route_prefix", "args", "deployments")
 
 
 @dataclass(frozen=True)

@@ -862,6 +862,26 @@ def test_check_checks_every_ditserve_application_and_serve_refuses_several(tmp_p
     assert "has 2 applications ('ditserve', 'second'); `ditserve serve` runs one ditserve application" in err, err
 
 
+def test_serve_refuses_an_application_field_it_would_not_apply(tmp_path, capsys, monkeypatch):
+    """helper-46: an application's ``runtime_env`` (where the README says API keys may go) was
+    dropped without a word by ``ditserve serve``, which deploys in-process; ``--check`` still
+    passes such a file (``serve run`` applies it)."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    config = _tiny_cpu_config(lambda c, app: app.update(runtime_env={"env_vars": {"DITSERVE_API_KEYS": "k1"}}))
+    path = tmp_path / "env.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    capsys.readouterr()
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {path}: applications[0].runtime_env: `ditserve serve` deploys the application "
+                   f"in-process and does not apply this field; deploy the file with `serve run {path}` (or `serve "
+                   "deploy`), or leave it out\n"), err
+
+
 def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
     """Both named, each where it comes from (helper-36's review: the file's error was dropped)."""
     import ray
