@@ -501,6 +501,8 @@ def error_message(error: dict, title: str | None = None) -> str:
 
 # pydantic's error types for a number field given something else
 _NUMBER_ERRORS = {"int_parsing", "int_type", "float_parsing", "float_type", "int_from_float", "finite_number"}
+# a number written with an exponent (YAML 1.1 reads some of these forms as text)
+_EXPONENT = re.compile(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+")
 
 
 def _yaml_number_hint(error: dict) -> str:
@@ -510,14 +512,14 @@ def _yaml_number_hint(error: dict) -> str:
     dot and with a sign (YAML 1.1's float pattern, https://yaml.org/type/float.html): ``1e5`` is
     the string ``"1e5"``."""
     value = error.get("input")
-    if error.get("type") not in _NUMBER_ERRORS or not isinstance(value, str):
+    if error.get("type") not in _NUMBER_ERRORS or not isinstance(value, str) or not _EXPONENT.fullmatch(value):
         return ""
-    try:
-        number = float(value)
-    except ValueError:
-        return ""
-    if not math.isfinite(number):
-        return ""
+    import yaml
+
+    number = float(value)
+    if not isinstance(yaml.safe_load(value), str) or not math.isfinite(number) or (
+            str(error.get("type")).startswith("int") and not number.is_integer()):
+        return ""  # quoted in the file (YAML reads the form as a number), or no form of it would do
     if number.is_integer() and abs(number) < 1e18:
         plain = str(int(number))
     else:

@@ -423,10 +423,10 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
         found = [k for k in re.split(r"[\s,]+", os.environ.get(api_keys_env, "")) if k]
         if not found:  # unset, empty, or separators only (",")
             raise ValueError(f"auth.{field}_env names {api_keys_env}, which is unset or holds no key in the "
-                             "Ingress replica's environment: Ray gives replicas the environment of the Ray node "
-                             "(where `ray start` ran, or `ditserve serve` when it starts the cluster), not the "
-                             f"deploying shell's; set {api_keys_env} there, or in the application's "
-                             "runtime_env.env_vars")
+                             "Ingress replica's environment: Ray gives replicas the environment of their Ray node "
+                             "(where `ray start` ran on it, or the `serve run` / `ditserve serve` that started a "
+                             f"local cluster), not the deploying shell's; set {api_keys_env} on every node, or in "
+                             "the application's runtime_env.env_vars (serve run, serve deploy, a RayService)")
         keys += found
     if api_keys_file is not None:
         path = Path(api_keys_file)

@@ -244,7 +244,7 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
         monkeypatch.setenv("DITSERVE_EMPTY", blank)
         with pytest.raises(ValueError, match="^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no "
                                              "key in the Ingress replica's environment: Ray gives replicas the "
-                                             "environment of the Ray node"):
+                                             "environment of their Ray node"):
             load_api_keys("DITSERVE_EMPTY")
         with pytest.raises(ValueError, match="^auth.batch_api_keys_env names DITSERVE_EMPTY, "):  # was api_keys_env
             load_api_keys("DITSERVE_EMPTY", field="batch_api_keys")
