@@ -72,6 +72,8 @@ def unknown_keys(value, model: type[pydantic.BaseModel], where: str = "") -> lis
 
 
 APP_IMPORT_PATH = "deployments.app:build_app"  # the ditserve application of a Serve config file
+# An application's fields in a Serve config file that `ditserve serve` applies (the others it refuses)
+APPLIED_APP_FIELDS = ("name", "import_path", "route_prefix", "args", "deployments")
 
 
 def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
@@ -153,10 +155,6 @@ def load_serve_config(path: str | Path) -> dict:
                           f"and does not apply {'this field' if one else 'these fields'}; deploy the file with "
                           f"`serve run {path}` (or `serve deploy`), or leave {'it' if one else 'them'} out")
     return apps[0]
-
-
-# An application's fields in a Serve config file that `ditserve serve` applies (the others it refuses)
-APPLIED_APP_FIELDS = ("name", "import_path", "route_prefix", "args", "deployments")
 
 
 @dataclass(frozen=True)

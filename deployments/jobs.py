@@ -216,16 +216,15 @@ class VideoJobs:
         if variant == "thumbnail" and job.status == JobStatus.IN_PROGRESS and job.preview is not None:
             return job.preview
         if job.status != JobStatus.COMPLETED:
-            if variant == "thumbnail" and job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS) \
-                    and (not job.params.partial_images or job.params.effective_steps < 2):
-                # none will come ("retry shortly" would be wrong advice): previews are off, or a
-                # one-step run has no step before its last to preview (pipeline.loop.preview_steps)
-                why = ("the server's videos.previews is 0" if not job.params.partial_images
-                       else "one step: none before its last")
-                raise InvalidRequestError(f"video {job_id} is {job.status} and decodes no previews ({why}); its "
-                                          "thumbnail exists once it is completed", param="video_id",
-                                          code="video_not_ready")
             if variant == "thumbnail" and job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
+                if not job.params.partial_images or job.params.effective_steps < 2:
+                    # none will come ("retry shortly" would be wrong advice): previews are off, or a
+                    # one-step run has no step before its last to preview (pipeline.loop.preview_steps)
+                    why = ("the server's videos.previews is 0" if not job.params.partial_images
+                           else "one step: none before its last")
+                    raise InvalidRequestError(f"video {job_id} is {job.status} and decodes no previews ({why}); "
+                                              "its thumbnail exists once it is completed", param="video_id",
+                                              code="video_not_ready")
                 raise InvalidRequestError(f"video {job_id} is {job.status} and no preview of it was decoded yet; "
                                           "retry shortly (its thumbnail is its latest preview while it runs)",
                                           param="video_id", code="video_not_ready")
