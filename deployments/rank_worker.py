@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -76,20 +75,22 @@ def make_runner(model: dict, acceleration: dict, rank: int = 0):
 def layout_problems_before_loading(model: dict, config: ParallelConfig) -> list[str]:
     """What the checkpoint's ``transformer/config.json`` alone says ``config`` cannot serve
     (its attention heads, ``pipeline.families.checkpoint_attention_heads``), before anything is
-    loaded; empty when nothing is known yet (a hub id, not a diffusers directory, a config
-    without the key): rank 0 checks the loaded model again in :meth:`RankGroup.join`.
-    ``model``: ``ModelConfig`` as a dict. Raises ``FileNotFoundError`` for an unknown embedded
-    name without a path (``pipeline.tiny.registry.resolve_checkpoint``)."""
+    loaded; empty when nothing is known yet (a checkpoint this node does not have, not a
+    diffusers directory, a config without the key): rank 0 checks the loaded model again in
+    :meth:`RankGroup.join`. A hub id is read from its snapshot in this node's Hugging Face
+    cache, as loading reads it. ``model``: ``ModelConfig`` as a dict. Raises
+    ``FileNotFoundError`` for an unknown embedded name without a path
+    (``pipeline.tiny.registry.resolve_checkpoint``)."""
     from pipeline.families import checkpoint_attention_heads
+    from pipeline.tiny.registry import resolve_checkpoint
 
-    if model.get("path"):  # a configured checkpoint: nothing to import
-        checkpoint = Path(model["path"]).expanduser()
+    if model.get("path"):  # a configured checkpoint: a directory, or a hub id in the local cache
+        try:
+            checkpoint = resolve_checkpoint(model["name"], model["path"])
+        except FileNotFoundError:
+            return []  # loading refuses it, naming model.path
     else:  # an embedded tiny model, built on first use (rank 0 would build it now anyway)
-        from pipeline.tiny.registry import resolve_checkpoint
-
         checkpoint = resolve_checkpoint(model["name"], None)
-    if not (checkpoint / "model_index.json").is_file():
-        return []  # a hub id, or not a diffusers directory: loading says which
     heads = checkpoint_attention_heads(checkpoint)
     return [] if heads is None else config.startup_problems(num_heads=heads)
 

@@ -34,9 +34,13 @@ def test_layout_checks():
         "image tokens has 70 tokens, not divisible by the 4 sequence-parallel ranks"]
 
 
-def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path):
+def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path, monkeypatch):
     """The heads come from ``transformer/config.json`` under either diffusers key (Z-Image's
-    ``n_heads``); a checkpoint whose config says nothing defers to the check after loading."""
+    ``n_heads``); a checkpoint whose config says nothing defers to the check after loading. A hub
+    id is read from its snapshot in the node's Hugging Face cache (it read nothing before)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert layout_problems_before_loading({"name": "tiny-flux"}, ParallelConfig(3, 1)) == [
         "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
     assert layout_problems_before_loading({"name": "tiny-flux"}, ParallelConfig(2, 1)) == []
@@ -47,6 +51,14 @@ def test_the_checkpoint_config_rules_out_a_layout_before_any_rank_loads(tmp_path
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "SomeTransformer"}')
     assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
     assert layout_problems_before_loading({"name": "hub", "path": "org/model-id"}, ParallelConfig(3, 1)) == []
+    snapshot = tmp_path / "hub" / "models--org--model-id" / "snapshots" / "0123abcd"  # huggingface_hub's layout
+    (snapshot / "transformer").mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    (snapshot / "model_index.json").write_text("{}")
+    (snapshot / "transformer" / "config.json").write_text('{"num_attention_heads": 4}')
+    assert layout_problems_before_loading({"name": "hub", "path": "org/model-id"}, ParallelConfig(3, 1)) == [
+        "the model has 4 attention heads, not divisible by parallel.ulysses_degree=3"]
     (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 4,')  # unreadable
     assert layout_problems_before_loading({"name": "custom", "path": str(tmp_path)}, ParallelConfig(3, 1)) == []
     (tmp_path / "transformer" / "config.json").write_text('{"num_attention_heads": 4}')
