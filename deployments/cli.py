@@ -799,8 +799,10 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
 @contextlib.contextmanager
 def _following(video_id: str):
     """Raise :class:`VideoJobLost` for a connection that fails while job ``video_id`` (created:
-    the server answered) is followed, not "no server"; a timeout stays a timeout."""
-    from openai import APIConnectionError, APITimeoutError
+    the server answered) is followed, not "no server", and for a 404 that is not the job's own
+    ``video_not_found`` (Serve's proxy once the app is gone: for a few seconds while a server
+    stops, before its port closes); a timeout stays a timeout."""
+    from openai import APIConnectionError, APITimeoutError, NotFoundError
 
     try:
         yield
@@ -808,6 +810,10 @@ def _following(video_id: str):
         raise
     except APIConnectionError as exc:
         raise VideoJobLost(video_id, exc.__cause__ or exc) from exc
+    except NotFoundError as exc:
+        if getattr(exc, "code", None) == "video_not_found":  # the server says the job is gone: its line
+            raise
+        raise VideoJobLost(video_id, exc) from exc
 
 
 CANCEL_TIMEOUT_S = 5.0  # how long Ctrl-C waits for the server to delete the job
@@ -843,8 +849,8 @@ class VideoJobCancelled(KeyboardInterrupt):
 
 
 class VideoJobLost(RuntimeError):
-    """The connection to the server failed while following video job ``video_id`` (it was
-    created: the server answered before)."""
+    """The connection to the server failed, or its app's route answered 404, while following
+    video job ``video_id`` (it was created: the server answered before)."""
 
     def __init__(self, video_id: str, cause: BaseException):
         super().__init__(video_id, type(cause).__name__)
@@ -962,6 +968,9 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError
 
     transports = _transport_modules()
+    if isinstance(exc, VideoJobLost) and isinstance(exc.cause, APIStatusError):  # its app's route is gone
+        return (f"error: {url} stopped serving the app while following video job {exc.video_id} (HTTP "
+                f"{exc.cause.status_code}: no application at its path); is the server still running?")
     if isinstance(exc, VideoJobLost):
         return (f"error: the connection to {url} was lost while following video job {exc.video_id} "
                 f"({type(exc.cause).__name__}); is the server still running?")

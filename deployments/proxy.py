@@ -77,8 +77,12 @@ BODY_SCOPE_KEY = "ditserve.body"
 # left to Serve's path, as without this middleware.
 BODY_READ_TIMEOUT_S = 5.0
 
-# status -> (type, code, message) of the envelope the proxy's own errors become
+# status -> (type, code, message) of the envelope the proxy's own errors become (its 404: no app's
+# route_prefix matches the path)
 _ERRORS = {
+    404: ("invalid_request_error", "route_not_found",
+          "no application is deployed at this path: check the URL and the app's route_prefix (an app being "
+          "deleted or not yet deployed answers so too)"),
     408: ("timeout_error", "timeout", "the request took longer than the server's request timeout"),
     429: ("rate_limit_error", "overloaded", "the server is overloaded; retry after the Retry-After seconds"),
     500: ("server_error", "internal_error", "the process handling the request stopped; retry the request"),

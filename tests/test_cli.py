@@ -427,6 +427,33 @@ def test_a_server_gone_while_a_video_job_runs_is_not_called_a_missing_server(tmp
         f"error: the connection to {server.url} was lost while following video job video_1 (ConnectError)"), err
 
 
+def test_an_app_gone_while_a_video_job_runs_names_the_job_not_a_404(tmp_path, capsys, monkeypatch):
+    """helper-47: a server stopping while ``ditserve video`` followed its job answered the polls
+    with Serve's proxy 404 for a few seconds (no app at the path any more), and the line was
+    ``error 404 http_404: the request failed with HTTP status 404``, naming no job. The job's own
+    404 (``video_not_found``: deleted meanwhile) stays the server's envelope line."""
+    import time
+
+    from deployments.proxy import envelope_for
+
+    job = {"id": "video_1", "object": "video", "status": "queued", "progress": 0, "model": "tiny-wan"}
+    gone_job = json.dumps({"error": {"message": "no video job 'video_1' (unknown, deleted, or expired after its "
+                                     "retention)", "type": "invalid_request_error", "param": "video_id",
+                                     "code": "video_not_found"}}).encode()
+    for answer, line in ((envelope_for(404), "stopped serving the app while following video job video_1 (HTTP 404"),
+                         (gone_job, "error 404 video_not_found (video_id): no video job 'video_1'")):
+        server = _Answering(200, "application/json", json.dumps(job).encode())
+        monkeypatch.setattr(time, "sleep", lambda seconds, s=server, a=answer: setattr(
+            s, "answer", (404, "application/json", a)))  # the poll's wait: the app goes away
+        try:
+            assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
+        finally:
+            server.shutdown()
+            server.server_close()
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err, err
+
+
 def test_ctrl_c_once_the_video_job_completed_keeps_it(tmp_path, capsys, monkeypatch):
     """Ctrl-C while the finished MP4 downloads deleted the job that had succeeded: now it stays."""
     from deployments import cli

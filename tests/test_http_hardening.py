@@ -144,7 +144,7 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
                 assert died.status_code == 500 and envelope(died)["code"] == "internal_error"
                 assert "1.2.3.4" not in died.text
         async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(plain)), base_url="http://t") as c:
-            answers = {s: await c.get(f"/{s}") for s in (429, 500, 503, 408)}
+            answers = {s: await c.get(f"/{s}") for s in (429, 500, 503, 408, 404)}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(OpenAIErrorEnvelope(json_app)),
                                      base_url="http://t") as c:
             ours = await c.get("/")
@@ -155,6 +155,8 @@ def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
         error = envelope(r)
         assert r.status_code == status and "1.2.3.4" not in r.text and error["code"]
     assert answers[429].headers["retry-after"] == "1" and envelope(answers[429])["type"] == "rate_limit_error"
+    # helper-47: the proxy's 404 (no app at the path, also while one is deleted) said only its status
+    assert envelope(answers[404])["code"] == "route_not_found" and "route_prefix" in envelope(answers[404])["message"]
     assert ours.json() == {"error": {"message": "ours"}}
 
 
