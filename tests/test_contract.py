@@ -96,6 +96,10 @@ def test_nested_extra_body_is_merged_and_clashes_rejected():
     assert (req.seed, req.num_inference_steps) == (5, 3)
     err = reasons({"prompt": "a", "seed": 1, "extra_body": {"seed": 5}})
     assert "repeats" in err.message
+    # helper-47: was "unknown field 'extra_body' (did you mean 'extra_body'?)"
+    err = reasons({"prompt": "a", "extra_body": {"extra_body": {"seed": 1}}})
+    assert err.param == "extra_body" and err.message.startswith("extra_body holds an extra_body: one level is merged")
+    assert "did you mean" not in err.message
 
 
 def test_null_means_the_fields_default():

@@ -178,6 +178,9 @@ class GenerationRequest(BaseModel):
             if not isinstance(nested, dict):
                 raise ValueError(f"extra_body must be an object of request fields (or null), got {shown(nested)}")
             nested = _without_nulls(cls, nested)
+            if "extra_body" in nested:  # the SDK's extra_body sent as a field of itself
+                raise ValueError("extra_body holds an extra_body: one level is merged into the top level; put its "
+                                 "fields in the one extra_body")
             clash = sorted(set(nested) & set(data))
             if clash:
                 raise ValueError(f"extra_body repeats top-level field(s) {', '.join(clash)}")
