@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long to wait for each answer (default: 300); then the call is cancelled")
     args = parser.parse_args(argv)
 
+    args.output.parent.mkdir(parents=True, exist_ok=True)  # before the requests, as ditserve generate does
     ray.init(address=args.address, log_to_driver=False)
     wait_until_running(args.app, args.wait_s)
     handle = serve.get_app_handle(args.app)
