@@ -35,6 +35,9 @@ def reasons(body: dict) -> InvalidRequestError:
     ({"prompt": "a", "size": "axb"}, "size", "WIDTHxHEIGHT"),
     ({"prompt": "a", "size": "60x64"}, "size", "multiples of 8"),
     ({"prompt": "a", "size": "512x512"}, "size", "at most 65536"),
+    # helper-48: a six-digit side was told "size must look like '1024x1024'"
+    ({"prompt": "a", "size": "100000x100000"}, "size", "has 10000000000 pixels; at most 65536"),
+    ({"prompt": "a", "size": "1234567890x8"}, "size", "WIDTHxHEIGHT"),  # past 9 digits: no size
     ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps", "between 1 and 100"),
     ({"prompt": "a", "num_inference_steps": 101}, "num_inference_steps", "between 1 and 100"),
     ({"prompt": "a", "guidance_scale": -1}, "guidance_scale", ">= 0"),

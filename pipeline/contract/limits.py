@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pipeline.contract.text import shown
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
-SIZE_RE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII digits only, no spaces
+SIZE_RE = re.compile(r"^([0-9]{1,9})x([0-9]{1,9})$")  # ASCII digits only, no spaces; a side past 9 digits is no size
 # Guidance scales above this only saturate the image; the bound keeps every scale far inside float32.
 MAX_GUIDANCE_SCALE = 100.0
 
