@@ -9,8 +9,10 @@ import binascii
 import contextlib
 import errno
 import importlib
+import io
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -87,7 +89,7 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     from ray.serve.schema import ServeDeploySchema
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except OSError as exc:
         raise CannotStart(f"cannot read the config file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
@@ -112,6 +114,9 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
                           "an entry may be null or of the wrong type") from None
     except ImportError as exc:  # Serve imports an autoscaling_config's policy as it reads the file
         raise CannotStart(f"{path}: {_import_problem(exc)}") from None
+    flags = _booleans_as_numbers(raw)
+    if flags:
+        raise CannotStart(f"{path}: {flags[0]}: takes a number, not {str(flags[1]).lower()}")
     # target_queued_per_replica: ditserve's own autoscaling field (bind_app makes it the policy's)
     unknown = [key for key in unknown_keys(raw, ServeDeploySchema)
                if not re.fullmatch(r"applications\[\d+\]\.deployments\[\d+\]\.autoscaling_config\."
@@ -129,6 +134,56 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
         raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
     others = [app.name for app in schema.applications if not _is_ditserve(app.import_path)]
     return apps, others
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's ``SafeLoader`` that refuses a key given twice in one mapping (``SafeLoader``
+    keeps the last silently: ``port: 8000`` then ``port: 9000`` served on 9000, unsaid)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, typing.Hashable):  # SafeLoader refuses it itself
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _booleans_as_numbers(raw: dict) -> tuple[str, bool] | None:
+    """The first field of Serve's config schema given ``true``/``false`` for a number (pydantic's
+    lax mode reads ``port: true`` as port 1), as ``(dotted field, value)``; None when none is."""
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(raw, strict=True)  # its other strict errors (enums from text) are no fault
+    except pydantic.ValidationError as exc:
+        for error in exc.errors():
+            if isinstance(error.get("input"), bool) and error["type"] in ("int_type", "float_type"):
+                return ".".join(str(part) for part in _in_file(raw, error["loc"])), error["input"]
+    except (AttributeError, TypeError, ValueError, ImportError):  # refused by the lax validation already
+        pass
+    return None
+
+
+def _in_file(raw, loc: tuple) -> list:
+    """The part of a pydantic error's ``loc`` that is a path in ``raw`` (the rest names a
+    union's member, ``constrained-int``, not a field of the file)."""
+    path = []
+    for part in loc:
+        in_list = isinstance(raw, list) and isinstance(part, int) and 0 <= part < len(raw)
+        if in_list or isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+            path.append(part)
+        else:
+            break
+    return path
 
 
 def _is_ditserve(import_path: str) -> bool:
@@ -239,14 +294,17 @@ def _port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
             probe.listen(1)
-        except OSError as exc:
-            raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
+        except OSError as exc:  # an unknown name or an address of no interface here: the host is wrong
+            fix = "--host" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL else "--port"
+            raise CannotStart(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another {fix}") from None
 
 
 def check_port(port: int) -> None:
-    """Raise :class:`CannotStart` for a port outside 0-65535."""
-    if not 0 <= port <= 65535:
-        raise CannotStart(f"cannot listen on port {port}: a port is 0-65535")
+    """Raise :class:`CannotStart` for a port outside 1-65535 (0, a port the OS picks, would
+    leave the URL ``ditserve serve`` prints, and clients are given, unknown)."""
+    if not 1 <= port <= 65535:
+        raise CannotStart(f"cannot listen on port {port}: a port is 1-65535 (0, a port the OS picks, is not one a "
+                          "client can be given)")
 
 
 @contextlib.contextmanager
@@ -522,14 +580,18 @@ def stop_app(served: Served, deployed: bool = True, drain: bool = True) -> None:
     ray.shutdown()
 
 
+CLIENT_TIMEOUT_S = 600.0  # how long a client command waits for each answer (--timeout)
+
+
 def _client_and_body(base_url: str, seed: int | None, steps: int | None, extra: dict | None,
-                     api_key: str | None = None):
+                     api_key: str | None = None, timeout_s: float = CLIENT_TIMEOUT_S):
     """An OpenAI client for the server at ``base_url`` (``api_key``: the server's key when it
-    has auth on; default ``$DITSERVE_API_KEY``) and the ditserve fields for ``extra_body``."""
+    has auth on; default ``$DITSERVE_API_KEY``; ``timeout_s``: the wait for each answer, s) and
+    the ditserve fields for ``extra_body``."""
     from openai import OpenAI
 
     api_key = api_key or os.environ.get("DITSERVE_API_KEY") or "unused"
-    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600, max_retries=0)
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
     body = dict(extra or {})
     nested = body.get("extra_body")
     if isinstance(nested, dict) and not set(nested) & set(body):  # a clash stays: the server names it
@@ -569,11 +631,16 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def _decoded(b64_json, base_url: str, what: str) -> bytes:
-    """``b64_json`` decoded: a non-empty base64 string. Raises :class:`BadAnswer` naming ``what``."""
+    """``b64_json`` decoded: a non-empty base64 string of an image file Pillow reads (its
+    header: written as it came). Raises :class:`BadAnswer` naming ``what``."""
+    from PIL import Image
+
     try:
         if isinstance(b64_json, str) and b64_json:
-            return base64.b64decode(b64_json, validate=True)
-    except binascii.Error:
+            data = base64.b64decode(b64_json, validate=True)
+            with Image.open(io.BytesIO(data)):
+                return data
+    except (OSError, SyntaxError, ValueError):  # binascii.Error, UnidentifiedImageError, a bad header
         pass
     raise BadAnswer(f"the answer from {base_url} holds no image in {what} (b64_json is {shown(b64_json)})")
 
@@ -622,25 +689,46 @@ def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None
 def writable(output: Path) -> Path:
     """``output``, once its directory exists and it can be written: checked before the request,
     so that a generation is not spent on a file that cannot be written. Raises ``OSError``
-    (``IsADirectoryError``, ``PermissionError``, ...) naming the path."""
-    output.parent.mkdir(parents=True, exist_ok=True)
+    (``IsADirectoryError``, ``PermissionError``, ``NotADirectoryError``, ...) naming the path."""
+    _made_dir(output.parent)
     if output.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(output))
-    if not os.access(output if output.exists() else output.parent, os.W_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output))
+    try:
+        if output.exists():  # opened for appending, nothing written: what the OS allows, also for root
+            with open(output, "ab"):
+                pass
+        else:
+            _try_a_file_in(output.parent)
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(output)) from exc
     return output
 
 
 def writable_dir(directory: Path) -> Path:
     """``directory``, created if missing, once files can be written in it (checked before the
     request). Raises ``OSError`` naming it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    _made_dir(directory)
     try:
-        with tempfile.TemporaryFile(dir=directory):  # a file made and removed: what the OS allows, also for root
-            pass
+        _try_a_file_in(directory)
     except OSError as exc:
         raise type(exc)(exc.errno, exc.strerror, str(directory)) from exc
     return directory
+
+
+def _try_a_file_in(directory: Path) -> None:
+    """Make and remove a file in ``directory`` (what the OS allows, also for root, whom
+    ``os.access`` allows everything). Raises ``OSError``."""
+    with tempfile.TemporaryFile(dir=directory):
+        pass
+
+
+def _made_dir(directory: Path) -> None:
+    """``mkdir -p directory``. Raises ``NotADirectoryError`` naming the file that stands where
+    it or a directory above it should be (``mkdir`` says "File exists"), else ``OSError``."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), exc.filename) from None
 
 
 def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
@@ -703,14 +791,15 @@ def previews_asked(extra: dict | None) -> int:
 
 def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seed: int | None = None, steps: int | None = None, extra: dict | None = None,
-                   api_key: str | None = None, previews: Path | None = None, on_event=None) -> dict:
+                   api_key: str | None = None, previews: Path | None = None, on_event=None,
+                   timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
     """POST one image request with the OpenAI client, write the image to ``output`` (its
     suffix picks ``output_format``: .png, .jpg/.jpeg, .webp); return the metadata. With
     ``previews`` (a directory) the request is streamed (``stream``, ``partial_images`` 3 unless
     ``extra`` gives it): each
     preview is written there as ``partial-<index>.<suffix>`` and ``on_event(event)`` sees every
-    streamed event as it arrives."""
-    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
+    streamed event as it arrives. ``timeout_s``: the wait for the answer (and each event), s."""
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key, timeout_s)
     kwargs = _image_kwargs(output, size, body)
     if previews is None:
         response = client.images.generate(prompt=prompt, response_format="b64_json", extra_body=body, **kwargs)
@@ -725,13 +814,13 @@ def generate_image(base_url: str, prompt: str, output: Path, *, size: str | None
 def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: Path | None = None,
                strength: float | None = None, size: str | None = None, seed: int | None = None,
                steps: int | None = None, extra: dict | None = None, api_key: str | None = None,
-               previews: Path | None = None, on_event=None) -> dict:
+               previews: Path | None = None, on_event=None, timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
     """POST one edit (OpenAI's ``images.edit``: ``image`` and optional ``mask`` uploaded as
     files) with the OpenAI client, write the image to ``output`` (its suffix picks
     ``output_format``); return the metadata. ``strength`` in (0, 1]: how much of the run
-    re-noises the image (image-to-image, inpainting). ``previews``, ``on_event``: as
-    :func:`generate_image`'s (``image_edit.*`` events)."""
-    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
+    re-noises the image (image-to-image, inpainting). ``previews``, ``on_event``, ``timeout_s``:
+    as :func:`generate_image`'s (``image_edit.*`` events)."""
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key, timeout_s)
     if strength is not None:
         body["strength"] = strength
     kwargs = _image_kwargs(output, size, body)
@@ -752,17 +841,18 @@ def edit_image(base_url: str, image: Path, prompt: str, output: Path, *, mask: P
 def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None = None,
                    seconds: str | None = None, seed: int | None = None, steps: int | None = None,
                    extra: dict | None = None, poll_s: float = 0.2, on_progress=None, api_key: str | None = None,
-                   input_reference: Path | None = None) -> dict:
+                   input_reference: Path | None = None, timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
     """Create a video job with the OpenAI client, poll it to the end, write the MP4 to ``output``;
     return the final job. ``input_reference``: an image file that becomes the first frame
-    (image-to-video models). Raises :class:`VideoJobFailed` if the job fails, and on Ctrl-C
+    (image-to-video models). ``timeout_s``: the wait for each answer (s); the job is followed
+    as long as it runs. Raises :class:`VideoJobFailed` if the job fails, and on Ctrl-C
     while the job runs deletes it (best effort, :data:`CANCEL_TIMEOUT_S`) and raises
     :class:`VideoJobCancelled` (once it completed, a plain ``KeyboardInterrupt``: the job stays).
     Raises :class:`UsageError` for an ``output`` suffix other than .mp4 (the job's content is MP4)."""
     if output.suffix and output.suffix.lower() != ".mp4":  # MP4 bytes in a .gif
         raise UsageError(f"-o {output}: a video is written as MP4; use the suffix .mp4 (or none)")
     writable(output)
-    client, body = _client_and_body(base_url, seed, steps, extra, api_key)
+    client, body = _client_and_body(base_url, seed, steps, extra, api_key, timeout_s)
     kwargs = {k: v for k, v in (("size", size), ("seconds", seconds)) if v}
     if input_reference is not None:
         kwargs["input_reference"] = (input_reference.name, input_reference.read_bytes())
@@ -779,6 +869,9 @@ def generate_video(base_url: str, prompt: str, output: Path, *, size: str | None
         # the server may have made the job before its answer came: the same create finds it
         # (or makes it), then it is deleted, so nothing runs that nobody follows
         raise _cancelled_create(client, create) from None
+    if not isinstance(getattr(job, "id", None), str) or not job.id:
+        raise BadAnswer(f"the answer from {base_url} to the video create holds no job id "
+                        f"(id is {shown(getattr(job, 'id', None))})")
     with _following(job.id):
         try:
             while job.status not in ("completed", "failed"):
@@ -895,7 +988,7 @@ def _serve_until_stopped(ns) -> int:
                                                                                       "port": 8000}}
         if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
             apps, _ = load_serve_configs(ns.config) if ns.config else ([default], [])
-            check_port(ns.port or apps[0]["http_options"]["port"])
+            check_port(apps[0]["http_options"]["port"] if ns.port is None else ns.port)
             for app in apps:
                 try:
                     checked_app(app["args"], app.get("deployments"))
@@ -908,7 +1001,11 @@ def _serve_until_stopped(ns) -> int:
             return 0
         config = load_serve_config(ns.config) if ns.config else default
         http = config["http_options"]
-        host, port = ns.host or http["host"], ns.port or http["port"]
+        host = http["host"] if ns.host is None else ns.host
+        port = http["port"] if ns.port is None else ns.port
+        if not host.strip():
+            raise CannotStart("--host '': give the address to listen on (0.0.0.0: every interface; 127.0.0.1: this "
+                              "machine only)")
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
@@ -959,7 +1056,7 @@ def _transport_modules() -> list:
     return modules
 
 
-def failure_line(exc: BaseException, url: str) -> str | None:
+def failure_line(exc: BaseException, url: str, timeout_s: float = CLIENT_TIMEOUT_S) -> str | None:
     """The one line ``ditserve generate`` / ``edit`` / ``video`` print for a failed call (None:
     not a failure of the call, let it raise): no server at ``url`` (and how to start one), a
     connection lost before the answer was complete, a timeout, the server's error envelope
@@ -975,8 +1072,12 @@ def failure_line(exc: BaseException, url: str) -> str | None:
         return (f"error: the connection to {url} was lost while following video job {exc.video_id} "
                 f"({type(exc.cause).__name__}); is the server still running?")
     if isinstance(exc, (APITimeoutError, *(m.TimeoutException for m in transports))):
-        return f"error: {url} did not answer in time (the client waits 600 s); is the server overloaded?"
+        return (f"error: {url} did not answer within {timeout_s:g} s (--timeout); is the server overloaded, or "
+                "the request longer than that?")
     if isinstance(exc, APIConnectionError) and isinstance(exc.__cause__, tuple(m.ConnectError for m in transports)):
+        if url.startswith("https:") and "SSL" in str(exc.__cause__):  # TLS to a plain-HTTP server (ditserve's)
+            return (f"error: {url} does not speak TLS ({_first_line(exc.__cause__)}); a ditserve server answers "
+                    f"plain HTTP: --url http://{url.removeprefix('https://')}")
         return (f"error: no ditserve server at {url}; start one with `ditserve serve` "
                 f"(or `ditserve serve --config configs/tiny-cpu.yaml`), or pass --url")
     if isinstance(exc, (APIConnectionError, *(m.TransportError for m in transports))):  # a stream's read: unwrapped
@@ -986,9 +1087,15 @@ def failure_line(exc: BaseException, url: str) -> str | None:
     if isinstance(exc, APIStatusError):
         try:
             error = exc.response.json()["error"]
-            return _error_line(exc.status_code, error.get("code"), error.get("param"), error.get("message"))
+            line = _error_line(exc.status_code, error.get("code"), error.get("param"), error.get("message"))
         except (ValueError, KeyError, TypeError, AttributeError):  # not ditserve's envelope (a proxy's page, ...)
-            return _error_line(exc.status_code, None, None, exc.response.text)
+            line = _error_line(exc.status_code, None, None, exc.response.text)
+        retry_after = exc.response.headers.get("retry-after")
+        if retry_after:
+            line += f" (Retry-After: {' '.join(retry_after.split())[:40]} s)"
+        if exc.status_code == 401:
+            line += " (the CLI sends --api-key, default $DITSERVE_API_KEY)"
+        return line
     if isinstance(exc, APIError):  # an error event of a stream, or an answer the SDK could not read
         if isinstance(exc.body, dict):
             return _error_line(None, exc.body.get("code"), exc.body.get("param"), exc.message)
@@ -1014,13 +1121,14 @@ def _error_line(status: int | None, code: str | None, param: str | None, message
     return f"{head}{where}: {folded(message) or '(the answer gave no message)'}"
 
 
-def _run_client(call, url: str):
+def _run_client(call, url: str, timeout_s: float = CLIENT_TIMEOUT_S):
     """``call()``, with any failure printed as one line on stderr: (result, exit code: 2 for
-    a refused command line, 1 for a failed call)."""
+    a refused command line, 1 for a failed call). ``timeout_s``: the client's wait, as the
+    timeout's line says it."""
     try:
         return call(), 0
     except Exception as exc:
-        line = failure_line(exc, url)
+        line = failure_line(exc, url, timeout_s)
         if line is None:
             raise
         print(line, file=sys.stderr)
@@ -1031,9 +1139,12 @@ def lora_arg(value: str) -> dict:
     """``--lora NAME[:SCALE]`` → one entry of the request's ``lora`` list."""
     name, _, scale = value.rpartition(":") if ":" in value else (value, "", "")
     try:
-        return {"name": name, **({"scale": float(scale)} if scale else {})}
+        number = float(scale) if scale else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a number), got {value!r}") from None
+        number = math.nan
+    if number is not None and not math.isfinite(number):  # nan/inf: JSON has no such number
+        raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a finite number), got {value!r}")
+    return {"name": name, **({"scale": number} if scale else {})}
 
 
 def server_url(value: str) -> str:
@@ -1055,10 +1166,40 @@ def server_url(value: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-def json_object_arg(value: str) -> dict:
-    """``--extra``: a JSON object of request fields (anything else is a usage error)."""
+def positive_seconds(value: str) -> float:
+    """``--timeout``: a finite number of seconds > 0."""
     try:
-        body = json.loads(value)
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"takes seconds, a number > 0, got {value[:80]!r}")
+    return seconds
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    """The options every client command has: the server's API key and the client's wait."""
+    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
+    p.add_argument("--timeout", type=positive_seconds, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
+                   help="how long to wait for each answer of the server (default: %(default)g); a video job is "
+                        "followed as long as it runs")
+
+
+def json_object_arg(value: str) -> dict:
+    """``--extra``: a JSON object of request fields (anything else is a usage error, ``NaN`` and
+    ``Infinity`` too: Python's ``json`` reads them, JSON has no such numbers)."""
+    def no_constant(name: str):
+        raise argparse.ArgumentTypeError(f"not JSON ({name} is no JSON number; give a finite number): {value[:80]!r}")
+
+    def finite(text: str) -> float:  # 1e400 reads as inf
+        number = float(text)
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{text} is out of a float's range (give a finite number): "
+                                             f"{value[:80]!r}")
+        return number
+
+    try:
+        body = json.loads(value, parse_constant=no_constant, parse_float=finite)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos}): {value[:80]!r}") from None
     if not isinstance(body, dict):
@@ -1084,7 +1225,14 @@ def _request_extra(ns) -> dict | None:
     given = {field: argument for field, (attr, argument) in FIELD_ARGUMENTS.items()
              if getattr(ns, attr, None) is not None}
     set_by_command = ("response_format",) if ns.command in ("generate", "edit") else ()
+    if ns.command in ("generate", "edit") and not ns.stream_previews:
+        set_by_command += ("partial_images",)
     for name, value in _extra_fields(extra, *given, *set_by_command):
+        if name == "partial_images":
+            if value:  # 0 asks for none: what an unstreamed request gets anyway
+                raise UsageError(f"--extra: partial_images {shown(value)}: previews come with a streamed request; "
+                                 "add --stream-previews DIR")
+            continue
         if name == "response_format":
             if value != "b64_json":  # what the command sends anyway
                 raise UsageError(f"--extra: response_format {shown(value)}: the command reads b64_json (it writes "
@@ -1121,13 +1269,13 @@ def _with_preview_bar(ns, call):
             for bar in bars:
                 bar.close()
 
-    return _run_client(run, ns.url)
+    return _run_client(run, ns.url, ns.timeout)
 
 
 def _cmd_generate(ns) -> int:
     meta, rc = _with_preview_bar(ns, lambda show: generate_image(
         ns.url, ns.prompt, Path(ns.output), size=ns.size, seed=ns.seed, steps=ns.steps,
-        extra=_request_extra(ns), api_key=ns.api_key,
+        extra=_request_extra(ns), api_key=ns.api_key, timeout_s=ns.timeout,
         previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
     return _written(ns.output, meta, rc)
 
@@ -1136,7 +1284,8 @@ def _cmd_edit(ns) -> int:
     meta, rc = _with_preview_bar(ns, lambda show: edit_image(
         ns.url, Path(ns.image), ns.prompt, Path(ns.output), mask=Path(ns.mask) if ns.mask else None,
         strength=ns.strength, size=ns.size, seed=ns.seed, steps=ns.steps, extra=_request_extra(ns),
-        api_key=ns.api_key, previews=Path(ns.stream_previews) if ns.stream_previews else None, on_event=show))
+        api_key=ns.api_key, timeout_s=ns.timeout, previews=Path(ns.stream_previews) if ns.stream_previews else None,
+        on_event=show))
     return _written(ns.output, meta, rc)
 
 
@@ -1165,14 +1314,14 @@ def _cmd_video(ns) -> int:
         try:
             return generate_video(ns.url, ns.prompt, Path(ns.output), size=ns.size, seconds=ns.seconds, seed=ns.seed,
                                   steps=ns.steps, extra=_request_extra(ns), api_key=ns.api_key,
-                                  on_progress=show,
+                                  on_progress=show, timeout_s=ns.timeout,
                                   input_reference=Path(ns.input_reference) if ns.input_reference else None)
         finally:
             for bar in bars:
                 bar.close()
 
     try:
-        job, rc = _run_client(run, ns.url)
+        job, rc = _run_client(run, ns.url, ns.timeout)
     except VideoJobCancelled as exc:
         print(f"cancelled: video job {exc.video_id} " + ("deleted on the server" if exc.deleted else
               f"may still run on the server (DELETE {ns.url}/v1/videos/{exc.video_id} failed)"),
@@ -1234,7 +1383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-previews", metavar="DIR",
                    help="stream the request and save its previews in DIR (3 partial images; "
                         "--extra '{\"partial_images\": N}' for N in 0..3)")
-    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
+    _client_options(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("edit", help="edit one image on a running server (image-to-image, or inpainting with --mask)")
@@ -1254,7 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-previews", metavar="DIR",
                    help="stream the edit and save its previews in DIR (3 partial images; "
                         "--extra '{\"partial_images\": N}' for N in 0..3)")
-    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
+    _client_options(p)
     p.set_defaults(func=_cmd_edit)
 
     p = sub.add_parser("video", help="create one video job on a running server, wait for it, save the MP4")
@@ -1270,7 +1419,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-reference", metavar="IMAGE", help="an image that becomes the first frame (image-to-video)")
     p.add_argument("--lora", action="append", type=lora_arg, metavar="NAME[:SCALE]",
                    help="a registered LoRA adapter to apply (repeatable)")
-    p.add_argument("--api-key", help="the server's API key when it has auth on (default: $DITSERVE_API_KEY)")
+    _client_options(p)
     p.set_defaults(func=_cmd_video)
 
     p = sub.add_parser("demo", help="start the app on tiny-flux, generate one image over HTTP, shut down")

@@ -33,14 +33,64 @@ def test_no_server_is_one_line_saying_how_to_start_one(tmp_path, capsys):
 
 
 def test_bad_extra_and_timeouts_are_one_line(tmp_path, capsys):
-    for extra, said in (("{nope", "not JSON"), ("[1]", "must be a JSON object"), ('"x"', "must be a JSON object")):
-        with pytest.raises(SystemExit) as exited:  # argparse's usage error: usage line, then the error
-            main(["generate", "a", "-o", str(tmp_path / "a.png"), "--extra", extra, "--url", "http://x"])
-        err = capsys.readouterr().err
-        assert exited.value.code == 2 and f"argument --extra: {said}" in err and "Traceback" not in err, err
+    """helper-48: NaN, Infinity (and 1e400, read as inf) in --extra, and a --lora scale nan or inf,
+    were a traceback from the SDK's JSON encoder (``Out of range float values are not JSON
+    compliant``); the client's 600 s wait could not be changed (--timeout)."""
+    for option, value, said in (("--extra", "{nope", "not JSON"), ("--extra", "[1]", "must be a JSON object"),
+                                ("--extra", '"x"', "must be a JSON object"),
+                                ("--extra", '{"guidance_scale": NaN}', "not JSON (NaN is no JSON number"),
+                                ("--extra", '{"a": [-Infinity]}', "not JSON (-Infinity is no JSON number"),
+                                ("--extra", '{"guidance_scale": 1e400}', "1e400 is out of a float's range"),
+                                ("--lora", "magenta:nan", "NAME:SCALE (a finite number)"),
+                                ("--lora", "magenta:inf", "NAME:SCALE (a finite number)"),
+                                ("--timeout", "0", "takes seconds, a number > 0"),
+                                ("--timeout", "nan", "takes seconds, a number > 0")):
+        for command in ("generate", "video"):
+            with pytest.raises(SystemExit) as exited:  # argparse's usage error: usage line, then the error
+                main([command, "a", "-o", str(tmp_path / "a.png"), option, value, "--url", "http://x"])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and f"argument {option}: " in err and said in err, err
+            assert "Traceback" not in err, err
     timeout = APITimeoutError(request=httpx.Request("POST", "http://h/v1/images/generations"))
-    assert failure_line(timeout, "http://h").startswith("error: http://h did not answer in time")
+    assert failure_line(timeout, "http://h").startswith("error: http://h did not answer within 600 s (--timeout)")
+    assert failure_line(timeout, "http://h", 2.5).startswith("error: http://h did not answer within 2.5 s")
     assert failure_line(KeyError("x"), "http://h") is None  # a bug, not a failed call: it raises
+
+
+def test_a_server_answers_the_cli_to_a_person_not_to_a_program(capsys):
+    """helper-48: a 429's line left out the Retry-After it was sent with; a 401 said to send an
+    Authorization header, not the CLI's --api-key; TLS to ditserve's plain-HTTP port was "no
+    ditserve server at https://...; start one"."""
+    from openai import APIStatusError
+
+    request = httpx.Request("POST", "http://h/v1/images/generations")
+    for status, headers, said in ((429, {"retry-after": "1"}, "(Retry-After: 1 s)"),
+                                  (401, {}, "(the CLI sends --api-key, default $DITSERVE_API_KEY)")):
+        response = httpx.Response(status, headers=headers, request=request, json={"error": {
+            "message": "m", "type": "t", "param": None, "code": "c"}})
+        line = failure_line(APIStatusError("m", response=response, body=None), "http://h")
+        assert line == f"error {status} c: m {said}", line
+    for transport in _transport_modules():
+        sent = transport.Request("POST", "https://h:8000/v1/images/generations")
+        tls = APIConnectionError(request=sent)
+        tls.__cause__ = transport.ConnectError("[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1028)",
+                                               request=sent)
+        assert failure_line(tls, "https://h:8000") == (
+            "error: https://h:8000 does not speak TLS ([SSL: WRONG_VERSION_NUMBER] wrong version number "
+            "(_ssl.c:1028)); a ditserve server answers plain HTTP: --url http://h:8000")
+
+
+def test_partial_images_without_stream_previews_is_a_usage_error(tmp_path, capsys):
+    """helper-48: ``--extra '{"partial_images": 2}'`` without --stream-previews went to the
+    server, which answered that previews need ``stream: true`` (a field the CLI sets)."""
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens: a request would say so
+    for extra in ('{"partial_images": 2}', '{"extra_body": {"partial_images": 1}}'):
+        assert main(["generate", "a", "-o", str(tmp_path / "a.png"), "--extra", extra, "--url", url]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "add --stream-previews DIR" in err, err
+    assert main(["generate", "a", "-o", str(tmp_path / "a.png"), "--extra", '{"partial_images": 0}', "--url",
+                 url]) == 1  # none asked: sent
+    assert capsys.readouterr().err.startswith("error: no ditserve server")
 
 
 def test_files_that_cannot_be_read_or_written_are_one_line_before_any_request(tmp_path, capsys):
@@ -56,6 +106,12 @@ def test_files_that_cannot_be_read_or_written_are_one_line_before_any_request(tm
         assert main([*argv, "--url", url]) == 1, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: {path}: "), (argv, err)
+        if path == tmp_path / "file":  # helper-48: said "File exists"
+            assert err == f"error: {path}: Not a directory\n", err
+    if Path("/proc/self").is_dir():  # helper-48: root passes os.access; /proc takes no new file
+        assert main(["generate", "a", "-o", "/proc/ditserve-test.png", "--url", url]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: /proc/ditserve-test.png: ") and "no ditserve server" not in err, err
 
 
 @pytest.mark.parametrize("transport", _transport_modules(), ids=lambda m: m.__name__)
@@ -116,7 +172,18 @@ def _sse(*events: tuple[str, str]) -> bytes:
     return "".join(f"event: {kind}\ndata: {data}\n\n" for kind, data in events).encode()
 
 
-_PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()  # what the CLI writes is not decoded
+def _png_b64() -> str:
+    """A 2x2 PNG, base64: the CLI reads an image's header before writing it."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+_PNG = _png_b64()
 _PARTIAL = json.dumps({"type": "image_generation.partial_image", "b64_json": _PNG, "partial_image_index": 0})
 
 
@@ -139,6 +206,10 @@ def _completed(b64_json) -> tuple[str, str]:
     ((200, "application/json", b'{"data": {"x": 1}}'), False, "holds no image"),
     ((200, "application/json", b'{"data": [{"b64_json": 5}]}'), False, "holds no image in data[0]"),
     ((200, "application/json", b'{"data": [{"b64_json": "!!!notbase64"}]}'), False, "holds no image in data[0]"),
+    # helper-48: base64 of bytes that are no image was written as the image, exit 0
+    ((200, "application/json", b'{"data": [{"b64_json": "AAAA"}]}'), False, "holds no image in data[0]"),
+    ((200, "text/event-stream", _sse(_completed(base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()))), True,
+     "holds no image in the completed event"),
     ((200, "text/event-stream", _sse(_completed(""))), True, "holds no image in the completed event"),
     ((200, "text/event-stream", _sse(_completed("!!!!!"))), True, "holds no image in the completed event"),
     ((200, "text/event-stream", _sse(_completed(None))), True, "holds no image in the completed event"),
@@ -151,6 +222,7 @@ def _completed(b64_json) -> tuple[str, str]:
      True, "error c d (x): m1 m2"),
 ], ids=["no data", "null b64_json", "no completed event", "string error event", "bad event JSON", "bad JSON",
         "html 404", "data a number", "data an object", "b64_json a number", "b64_json not base64",
+        "b64_json no image", "completed a png signature only",
         "completed empty", "completed not base64", "completed null", "preview without index", "multi-line fields",
         "empty 502", "multi-line error event"])
 def test_answers_ditserve_never_gives_are_one_line(tmp_path, capsys, answer, stream, said):
@@ -425,6 +497,20 @@ def test_a_server_gone_while_a_video_job_runs_is_not_called_a_missing_server(tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
         f"error: the connection to {server.url} was lost while following video job video_1 (ConnectError)"), err
+
+
+def test_a_video_create_answered_without_a_job_id_is_one_line(tmp_path, capsys):
+    """helper-48: a create answered 200 with ``null`` or a job without ``id`` was a traceback
+    (``AttributeError`` / the SDK's ``Expected a non-empty value for video_id``)."""
+    for body in (b"null", b'{"status": "queued"}', b'{"id": ""}'):
+        server = _Answering(200, "application/json", body)
+        try:
+            assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
+        finally:
+            server.shutdown()
+            server.server_close()
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "to the video create holds no job id" in err, (body, err)
 
 
 def test_an_app_gone_while_a_video_job_runs_names_the_job_not_a_404(tmp_path, capsys, monkeypatch):
@@ -753,7 +839,14 @@ def _tiny_cpu_config(mutate) -> dict:
      "error: bad config: deployments: the Ingress's and DiTReplica's adapter registries (user_config.loras, else "
      "model.loras) differ at x: give both the same loras"),
     (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
-    (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 0-65535"),
+    (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 1-65535"),
+    # helper-48: port 0 passed, and serve printed http://127.0.0.1:0 while Serve listened elsewhere
+    (lambda c, a: c["http_options"].update(port=0), "cannot listen on port 0: a port is 1-65535 (0, a port the OS "
+                                                    "picks, is not one a client can be given)"),
+    # helper-48: pydantic's lax mode read port: true as port 1
+    (lambda c, a: c["http_options"].update(port=True), "http_options.port: takes a number, not true"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "num_replicas": True}]),
+     "applications.0.deployments.0.num_replicas: takes a number, not true"),
     (lambda c, a: a.update(deployments=[None]), "not a Serve config"),
     (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"loras": [1]}}]),
      "Ingress's user_config.loras must be a mapping"),
@@ -821,6 +914,33 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
     assert main(["serve", "--config", str(path), "--check"]) == 1  # the same, asked for before a serve deploy
     assert capsys.readouterr().err == err
+
+
+def test_a_key_given_twice_in_a_serve_config_and_a_wrong_host_are_one_line(tmp_path, capsys, monkeypatch):
+    """helper-48: ``port: 8000`` then ``port: 9000`` passed (PyYAML keeps the last, unsaid), as
+    Serve reads the file; a --host no interface has said "choose another --port"; --port 0 and
+    --host '' fell back to the config's."""
+    import ray
+    import yaml
+
+    from deployments.cli import _port_free
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    text = yaml.safe_dump(_tiny_cpu_config(lambda c, a: None))
+    path = tmp_path / "serve.yaml"
+    path.write_text(text.replace("http_options:\n", "http_options:\n  port: 9000\n", 1))
+    for argv in (["serve", "--config", str(path)], ["serve", "--config", str(path), "--check"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {path} is not valid YAML at line ") and (
+            "the key 'port' is given twice") in err, err
+    for host in ("999.1.1.1", "10.255.255.254"):  # no such name; no interface here has it
+        with pytest.raises(CannotStart, match="; choose another --host$"):
+            _port_free(host, free_port("127.0.0.1"))
+    assert main(["serve", "--port", "0"]) == 1
+    assert "cannot listen on port 0: a port is 1-65535" in capsys.readouterr().err
+    assert main(["serve", "--host", ""]) == 1
+    assert capsys.readouterr().err.startswith("error: --host '': give the address to listen on")
 
 
 @pytest.mark.parametrize("var, value, said", [
