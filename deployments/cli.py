@@ -137,23 +137,29 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's ``SafeLoader`` that refuses a key given twice in one mapping (``SafeLoader``
-    keeps the last silently: ``port: 8000`` then ``port: 9000`` served on 9000, unsaid)."""
+    """PyYAML's ``SafeLoader`` that refuses a key given twice in one mapping as written
+    (``SafeLoader`` keeps the last silently: ``port: 8000`` then ``port: 9000`` served on 9000,
+    unsaid). Keys a merge (``<<``) brings may be overridden, as YAML's merge key allows."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()  # the mappings checked (ids of their nodes)
+
+    def flatten_mapping(self, node):
+        # before SafeLoader rewrites the node's keys in place with the merged ones (also those of
+        # an anchored mapping merged elsewhere before its own turn): each mapping once, as written
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
             seen = set()
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
                     continue
-                key = self.construct_object(key_node, deep=deep)
-                if not isinstance(key, typing.Hashable):  # SafeLoader refuses it itself
-                    continue
+                key = self.construct_object(key_node)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                             key_node.start_mark)
                 seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        super().flatten_mapping(node)
 
 
 def _booleans_as_numbers(raw: dict) -> tuple[str, bool] | None:
@@ -305,6 +311,14 @@ def check_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise CannotStart(f"cannot listen on port {port}: a port is 1-65535 (0, a port the OS picks, is not one a "
                           "client can be given)")
+
+
+def check_host(host: str, where: str) -> None:
+    """Raise :class:`CannotStart` for an empty ``host`` (blank), naming ``where`` it came from
+    (``--host`` or the config's ``http_options.host``)."""
+    if not host.strip():
+        raise CannotStart(f"{where} {host!r}: give the address to listen on (0.0.0.0: every interface; 127.0.0.1: "
+                          "this machine only)")
 
 
 @contextlib.contextmanager
@@ -694,9 +708,12 @@ def writable(output: Path) -> Path:
     if output.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(output))
     try:
-        if output.exists():  # opened for appending, nothing written: what the OS allows, also for root
+        if output.is_file():  # opened for appending, nothing written: what the OS allows, also for root
             with open(output, "ab"):
                 pass
+        elif output.exists():  # a FIFO, a device: opening one would wait for, or end, its reader
+            if not os.access(output, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output))
         else:
             _try_a_file_in(output.parent)
     except OSError as exc:
@@ -724,11 +741,17 @@ def _try_a_file_in(directory: Path) -> None:
 
 def _made_dir(directory: Path) -> None:
     """``mkdir -p directory``. Raises ``NotADirectoryError`` naming the file that stands where
-    it or a directory above it should be (``mkdir`` says "File exists"), else ``OSError``."""
+    it or a directory above it should be (``mkdir`` says "File exists" or names the directory it
+    could not make), ``FileNotFoundError`` naming a dangling symbolic link there, else ``OSError``."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as exc:
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), exc.filename) from None
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocking = next((p for p in (directory, *directory.parents) if p.is_symlink() or p.exists()), None)
+        if blocking is None or blocking.is_dir():
+            raise
+        if not blocking.exists():  # a link to nothing
+            raise FileNotFoundError(errno.ENOENT, "a symbolic link to nothing", str(blocking)) from exc
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(blocking)) from None
 
 
 def _image_kwargs(output: Path, size: str | None, body: dict) -> dict:
@@ -989,6 +1012,8 @@ def _serve_until_stopped(ns) -> int:
         if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
             apps, _ = load_serve_configs(ns.config) if ns.config else ([default], [])
             check_port(apps[0]["http_options"]["port"] if ns.port is None else ns.port)
+            check_host(*((apps[0]["http_options"]["host"], "http_options.host") if ns.host is None else
+                         (ns.host, "--host")))
             for app in apps:
                 try:
                     checked_app(app["args"], app.get("deployments"))
@@ -1003,9 +1028,7 @@ def _serve_until_stopped(ns) -> int:
         http = config["http_options"]
         host = http["host"] if ns.host is None else ns.host
         port = http["port"] if ns.port is None else ns.port
-        if not host.strip():
-            raise CannotStart("--host '': give the address to listen on (0.0.0.0: every interface; 127.0.0.1: this "
-                              "machine only)")
+        check_host(host, "--host" if ns.host is not None else "http_options.host")
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
@@ -1056,6 +1079,12 @@ def _transport_modules() -> list:
     return modules
 
 
+# what OpenSSL says when a TLS handshake gets a plain-HTTP answer (ditserve's port speaks HTTP):
+# not a certificate's failure, which a TLS ingress in front of ditserve may well have
+_PLAIN_HTTP_ANSWERS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure",
+                       "packet length too long", "HTTP_REQUEST")
+
+
 def failure_line(exc: BaseException, url: str, timeout_s: float = CLIENT_TIMEOUT_S) -> str | None:
     """The one line ``ditserve generate`` / ``edit`` / ``video`` print for a failed call (None:
     not a failure of the call, let it raise): no server at ``url`` (and how to start one), a
@@ -1075,9 +1104,12 @@ def failure_line(exc: BaseException, url: str, timeout_s: float = CLIENT_TIMEOUT
         return (f"error: {url} did not answer within {timeout_s:g} s (--timeout); is the server overloaded, or "
                 "the request longer than that?")
     if isinstance(exc, APIConnectionError) and isinstance(exc.__cause__, tuple(m.ConnectError for m in transports)):
-        if url.startswith("https:") and "SSL" in str(exc.__cause__):  # TLS to a plain-HTTP server (ditserve's)
+        if url.startswith("https:") and any(mark in str(exc.__cause__) for mark in _PLAIN_HTTP_ANSWERS):
             return (f"error: {url} does not speak TLS ({_first_line(exc.__cause__)}); a ditserve server answers "
                     f"plain HTTP: --url http://{url.removeprefix('https://')}")
+        if url.startswith("https:") and "[SSL" in str(exc.__cause__):  # a certificate, a TLS version, ...
+            return (f"error: the TLS handshake with {url} failed ({_first_line(exc.__cause__)}); check the "
+                    "certificate of the TLS endpoint in front of the server")
         return (f"error: no ditserve server at {url}; start one with `ditserve serve` "
                 f"(or `ditserve serve --config configs/tiny-cpu.yaml`), or pass --url")
     if isinstance(exc, (APIConnectionError, *(m.TransportError for m in transports))):  # a stream's read: unwrapped
@@ -1090,9 +1122,9 @@ def failure_line(exc: BaseException, url: str, timeout_s: float = CLIENT_TIMEOUT
             line = _error_line(exc.status_code, error.get("code"), error.get("param"), error.get("message"))
         except (ValueError, KeyError, TypeError, AttributeError):  # not ditserve's envelope (a proxy's page, ...)
             line = _error_line(exc.status_code, None, None, exc.response.text)
-        retry_after = exc.response.headers.get("retry-after")
-        if retry_after:
-            line += f" (Retry-After: {' '.join(retry_after.split())[:40]} s)"
+        retry_after = " ".join(exc.response.headers.get("retry-after", "").split())[:40]
+        if retry_after:  # seconds, or an HTTP date (RFC 9110 10.2.3): as given
+            line += f" (Retry-After: {retry_after}{' s' if retry_after.isdigit() else ''})"
         if exc.status_code == 401:
             line += " (the CLI sends --api-key, default $DITSERVE_API_KEY)"
         return line
@@ -1166,14 +1198,18 @@ def server_url(value: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
+MAX_CLIENT_TIMEOUT_S = 7 * 24 * 3600.0  # --timeout's bound (a socket's timeout overflows near 1e10 s)
+
+
 def positive_seconds(value: str) -> float:
-    """``--timeout``: a finite number of seconds > 0."""
+    """``--timeout``: a number of seconds in (0, :data:`MAX_CLIENT_TIMEOUT_S`]."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"takes seconds, a number > 0, got {value[:80]!r}")
+    if not 0 < seconds <= MAX_CLIENT_TIMEOUT_S:  # nan too
+        raise argparse.ArgumentTypeError(f"takes seconds, a number > 0 and at most {MAX_CLIENT_TIMEOUT_S:g} "
+                                         f"(7 days), got {value[:80]!r}")
     return seconds
 
 

@@ -44,7 +44,8 @@ def test_bad_extra_and_timeouts_are_one_line(tmp_path, capsys):
                                 ("--lora", "magenta:nan", "NAME:SCALE (a finite number)"),
                                 ("--lora", "magenta:inf", "NAME:SCALE (a finite number)"),
                                 ("--timeout", "0", "takes seconds, a number > 0"),
-                                ("--timeout", "nan", "takes seconds, a number > 0")):
+                                ("--timeout", "nan", "takes seconds, a number > 0"),
+                                ("--timeout", "1e10", "at most 604800 (7 days)")):  # helper-49: OverflowError
         for command in ("generate", "video"):
             with pytest.raises(SystemExit) as exited:  # argparse's usage error: usage line, then the error
                 main([command, "a", "-o", str(tmp_path / "a.png"), option, value, "--url", "http://x"])
@@ -65,6 +66,8 @@ def test_a_server_answers_the_cli_to_a_person_not_to_a_program(capsys):
 
     request = httpx.Request("POST", "http://h/v1/images/generations")
     for status, headers, said in ((429, {"retry-after": "1"}, "(Retry-After: 1 s)"),
+                                  (503, {"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"},
+                                   "(Retry-After: Wed, 21 Oct 2015 07:28:00 GMT)"),  # an HTTP date: no "s"
                                   (401, {}, "(the CLI sends --api-key, default $DITSERVE_API_KEY)")):
         response = httpx.Response(status, headers=headers, request=request, json={"error": {
             "message": "m", "type": "t", "param": None, "code": "c"}})
@@ -78,6 +81,11 @@ def test_a_server_answers_the_cli_to_a_person_not_to_a_program(capsys):
         assert failure_line(tls, "https://h:8000") == (
             "error: https://h:8000 does not speak TLS ([SSL: WRONG_VERSION_NUMBER] wrong version number "
             "(_ssl.c:1028)); a ditserve server answers plain HTTP: --url http://h:8000")
+        # helper-49: a TLS endpoint whose certificate fails is no plain-HTTP port (nor a missing server)
+        tls.__cause__ = transport.ConnectError("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
+                                               "self-signed certificate (_ssl.c:1028)", request=sent)
+        assert failure_line(tls, "https://h:8000").startswith(
+            "error: the TLS handshake with https://h:8000 failed ([SSL: CERTIFICATE_VERIFY_FAILED]"), tls
 
 
 def test_partial_images_without_stream_previews_is_a_usage_error(tmp_path, capsys):
@@ -108,6 +116,12 @@ def test_files_that_cannot_be_read_or_written_are_one_line_before_any_request(tm
         assert err.count("\n") == 1 and err.startswith(f"error: {path}: "), (argv, err)
         if path == tmp_path / "file":  # helper-48: said "File exists"
             assert err == f"error: {path}: Not a directory\n", err
+    # helper-49: a file further up is named, not the directory that could not be made
+    assert main(["generate", "a", "-o", str(tmp_path / "file" / "a" / "b" / "o.png"), "--url", url]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'file'}: Not a directory\n"
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert main(["generate", "a", "-o", str(tmp_path / "link" / "o.png"), "--url", url]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'link'}: a symbolic link to nothing\n"
     if Path("/proc/self").is_dir():  # helper-48: root passes os.access; /proc takes no new file
         assert main(["generate", "a", "-o", "/proc/ditserve-test.png", "--url", url]) == 1
         err = capsys.readouterr().err
@@ -916,6 +930,20 @@ def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, 
     assert capsys.readouterr().err == err
 
 
+def test_a_fifo_as_output_is_not_opened_before_the_image_comes(tmp_path):
+    """helper-49: the write check opened a FIFO for appending, which ended its reader (``cat``
+    saw end-of-file) or waited for one, so the real write later blocked for ever."""
+    from deployments.cli import writable
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    checked = []
+    worker = threading.Thread(target=lambda: checked.append(writable(fifo)), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert checked == [fifo] and not worker.is_alive()
+
+
 def test_a_key_given_twice_in_a_serve_config_and_a_wrong_host_are_one_line(tmp_path, capsys, monkeypatch):
     """helper-48: ``port: 8000`` then ``port: 9000`` passed (PyYAML keeps the last, unsaid), as
     Serve reads the file; a --host no interface has said "choose another --port"; --port 0 and
@@ -941,6 +969,18 @@ def test_a_key_given_twice_in_a_serve_config_and_a_wrong_host_are_one_line(tmp_p
     assert "cannot listen on port 0: a port is 1-65535" in capsys.readouterr().err
     assert main(["serve", "--host", ""]) == 1
     assert capsys.readouterr().err.startswith("error: --host '': give the address to listen on")
+    path.write_text(text.replace("http_options:\n", "http_options:\n  host: ''\n", 1).replace("  host: 127", "  #", 1))
+    for argv in (["serve", "--config", str(path)], ["serve", "--config", str(path), "--check"]):
+        assert main(argv) == 1  # helper-49: the file's empty host was blamed on --host, and --check passed it
+        assert capsys.readouterr().err.startswith("error: http_options.host '': give the address to listen on")
+    # YAML's merge key may override what it merges, also in an anchored mapping merged elsewhere
+    # (helper-49: refused, 'log_level' given twice, as SafeLoader had rewritten its keys in place)
+    text = yaml.safe_dump(_tiny_cpu_config(lambda c, a: a.update(
+        deployments=[{"name": "DiTReplica", "logging_config": "MERGED"}])))
+    path.write_text(text.replace("logging_config: MERGED", "logging_config: &debug {<<: &base {encoding: TEXT, "
+                                 "log_level: INFO}, log_level: DEBUG}") + "logging_config: {<<: *debug}\n")
+    assert main(["serve", "--config", str(path), "--check"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("var, value, said", [
