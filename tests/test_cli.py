@@ -513,18 +513,24 @@ def test_a_server_gone_while_a_video_job_runs_is_not_called_a_missing_server(tmp
         f"error: the connection to {server.url} was lost while following video job video_1 (ConnectError)"), err
 
 
+def _failed_video_line(server: _Answering, tmp_path, capsys) -> str:
+    """The one line ``ditserve video`` prints against ``server`` (exit 1), the server then stopped."""
+    try:
+        assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
 def test_a_video_create_answered_without_a_job_id_is_one_line(tmp_path, capsys):
     """helper-48: a create answered 200 with ``null`` or a job without ``id`` was a traceback
     (``AttributeError`` / the SDK's ``Expected a non-empty value for video_id``)."""
     for body in (b"null", b'{"status": "queued"}', b'{"id": ""}'):
-        server = _Answering(200, "application/json", body)
-        try:
-            assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
-        finally:
-            server.shutdown()
-            server.server_close()
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "to the video create holds no job id" in err, (body, err)
+        err = _failed_video_line(_Answering(200, "application/json", body), tmp_path, capsys)
+        assert "to the video create holds no job id" in err, (body, err)
 
 
 def test_an_app_gone_while_a_video_job_runs_names_the_job_not_a_404(tmp_path, capsys, monkeypatch):
@@ -545,13 +551,8 @@ def test_an_app_gone_while_a_video_job_runs_names_the_job_not_a_404(tmp_path, ca
         server = _Answering(200, "application/json", json.dumps(job).encode())
         monkeypatch.setattr(time, "sleep", lambda seconds, s=server, a=answer: setattr(
             s, "answer", (404, "application/json", a)))  # the poll's wait: the app goes away
-        try:
-            assert main(["video", "a", "-o", str(tmp_path / "a.mp4"), "--url", server.url]) == 1
-        finally:
-            server.shutdown()
-            server.server_close()
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and line in err, err
+        err = _failed_video_line(server, tmp_path, capsys)
+        assert line in err, err
 
 
 def test_ctrl_c_once_the_video_job_completed_keeps_it(tmp_path, capsys, monkeypatch):
