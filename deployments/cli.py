@@ -995,6 +995,17 @@ def _cmd_serve(ns) -> int:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def _listen_address(ns, http_options: dict) -> tuple[str, int]:
+    """The host and port ``ditserve serve`` listens on: ``--host``/``--port`` where given, else
+    the config's ``http_options``. Raises :class:`CannotStart` for an empty host (naming where it
+    came from) or a port outside 1-65535."""
+    host = http_options["host"] if ns.host is None else ns.host
+    port = http_options["port"] if ns.port is None else ns.port
+    check_host(host, "http_options.host" if ns.host is None else "--host")
+    check_port(port)
+    return host, port
+
+
 def _serve_until_stopped(ns) -> int:
     """``ditserve serve``: start the app, wait for Ctrl-C or SIGTERM (also while it starts), stop it."""
     stop = threading.Event()
@@ -1011,9 +1022,7 @@ def _serve_until_stopped(ns) -> int:
                                                                                       "port": 8000}}
         if ns.check:  # the file's checks, no cluster: before a `serve deploy` of it, which runs none of them
             apps, _ = load_serve_configs(ns.config) if ns.config else ([default], [])
-            check_port(apps[0]["http_options"]["port"] if ns.port is None else ns.port)
-            check_host(*((apps[0]["http_options"]["host"], "http_options.host") if ns.host is None else
-                         (ns.host, "--host")))
+            _listen_address(ns, apps[0]["http_options"])
             for app in apps:
                 try:
                     checked_app(app["args"], app.get("deployments"))
@@ -1025,10 +1034,7 @@ def _serve_until_stopped(ns) -> int:
                   "port number; whether the port is free is known only where it is served)", flush=True)
             return 0
         config = load_serve_config(ns.config) if ns.config else default
-        http = config["http_options"]
-        host = http["host"] if ns.host is None else ns.host
-        port = http["port"] if ns.port is None else ns.port
-        check_host(host, "--host" if ns.host is not None else "http_options.host")
+        host, port = _listen_address(ns, config["http_options"])
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
@@ -1170,10 +1176,7 @@ def _run_client(call, url: str, timeout_s: float = CLIENT_TIMEOUT_S):
 def lora_arg(value: str) -> dict:
     """``--lora NAME[:SCALE]`` → one entry of the request's ``lora`` list."""
     name, _, scale = value.rpartition(":") if ":" in value else (value, "", "")
-    try:
-        number = float(scale) if scale else None
-    except ValueError:
-        number = math.nan
+    number = _number(scale) if scale else None
     if number is not None and not math.isfinite(number):  # nan/inf: JSON has no such number
         raise argparse.ArgumentTypeError(f"--lora takes NAME or NAME:SCALE (a finite number), got {value!r}")
     return {"name": name, **({"scale": number} if scale else {})}
@@ -1198,15 +1201,20 @@ def server_url(value: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
+def _number(text: str) -> float:
+    """``text`` as a float; NaN for text that is no number (refused with the argument's own words)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 MAX_CLIENT_TIMEOUT_S = 7 * 24 * 3600.0  # --timeout's bound (a socket's timeout overflows near 1e10 s)
 
 
 def positive_seconds(value: str) -> float:
     """``--timeout``: a number of seconds in (0, :data:`MAX_CLIENT_TIMEOUT_S`]."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
+    seconds = _number(value)
     if not 0 < seconds <= MAX_CLIENT_TIMEOUT_S:  # nan too
         raise argparse.ArgumentTypeError(f"takes seconds, a number > 0 and at most {MAX_CLIENT_TIMEOUT_S:g} "
                                          f"(7 days), got {value[:80]!r}")
