@@ -252,13 +252,13 @@ def family_rows(ns, model: str) -> None:
     cfg = {"negative_prompt": "a blurry picture", **({"true_cfg_scale": 4.0} if true_cfg else {"guidance_scale": 4.0})}
     cfg_name = "true CFG 4.0" if true_cfg else "CFG 4.0"
     # cache-dit's defaults compute Fn=8 blocks every step: on a model with fewer blocks (the
-    # 4-block tiny-qwen-image-edit) they are a 400, so there the SCM rows compute Fn=1 and the
-    # row of DBCache's defaults is left out
-    few = facts.num_blocks < 8
+    # 4-block tiny-qwen-image-edit), or with none left to cache, they are a 400, so there the SCM
+    # rows compute Fn=1 and the row of DBCache's defaults is left out
+    few = facts.num_blocks < 8 or max(facts.num_blocks, facts.longest_block_list) <= 8
     fn = {"Fn_compute_blocks": 1} if few else {}
     suffix = ", Fn=1" if few else ""
     if few:
-        print(f"{model}: {facts.num_blocks} transformer blocks, fewer than cache-dit's default "
+        print(f"{model}: {facts.num_blocks} transformer blocks, none left to cache by cache-dit's default "
               f"Fn_compute_blocks=8: no row for DBCache defaults, SCM rows with Fn=1")
     rows = [*([] if few else [("DBCache defaults (dynamic)", {}, {"enable_cache_dit": True})]),
             ("DBCache Fn=1 thr=0.5 (dynamic)", {}, {"enable_cache_dit": True, "cache_dit_params": {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Static bounds, before the request and the model are known (the request validator then checks
 # against its own step count and the model's block count).
@@ -39,8 +39,9 @@ class CacheDiTKnobs(BaseModel):
     ``Fn_compute_blocks`` / ``Bn_compute_blocks``: blocks always computed at the front / back
     (Fn >= 1). ``max_warmup_steps``: first steps never cached. ``residual_diff_threshold`` (> 0):
     relative L1 change of the first blocks' residual below which a step is served from cache.
-    ``max_continuous_cached_steps`` (-1: unlimited): cached steps in a row. ``enable_taylorseer``
-    / ``taylorseer_order`` (1..4): TaylorSeer forecasting of cached residuals.
+    ``max_continuous_cached_steps`` (-1: unlimited; 0 is refused: it caches no step): cached
+    steps in a row. ``enable_taylorseer`` / ``taylorseer_order`` (1..4): TaylorSeer forecasting
+    of cached residuals.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -67,6 +68,16 @@ class CacheDiTKnobs(BaseModel):
                 and set(secondary) <= set(CacheDiTKnobs.model_fields):
             data.pop("secondary")
         return data
+
+    @field_validator("max_continuous_cached_steps")
+    @classmethod
+    def _some_cached_steps(cls, v: int | None) -> int | None:
+        """0 would stop cache-dit from ever caching (its limit is reached before the first
+        cached step), though the request asked for Cache-DiT."""
+        if v == 0:
+            raise ValueError("max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 would "
+                             "cache no step (enable_cache_dit: false runs exact)")
+        return v
 
     def set_knobs(self) -> dict:
         """The knobs this override sets, by cache-dit's names (unset ones left out)."""

@@ -155,6 +155,7 @@ class BatchRunner:
         return ModelFacts(
             family=self.family_name, spatial_factor=self.family.spatial_factor,
             guidance_embeds=self.family.guidance_embeds, num_blocks=self.family.num_blocks,
+            longest_block_list=self.family.longest_block_list,
             attention_rejections={k: v for k, v in rejections.items() if v},
             world_size=1 if self.parallel is None else self.parallel.sp_degree,
             cfg_degree=1 if self.parallel is None else self.parallel.cfg_degree,

@@ -73,7 +73,9 @@ class ModelFacts:
     """What the Ingress needs to validate requests without loading the model.
 
     ``spatial_factor``: pixels per latent token side. ``num_blocks``: transformer blocks
-    cache-dit sees (bounds Fn + Bn). ``attention_rejections``: kernel name -> reasons it
+    cache-dit sees (bounds Fn + Bn). ``longest_block_list``: blocks of the longest list it
+    caches (FLUX.2's single-stream list; 0: ``num_blocks``): Fn + Bn reaching it leaves none
+    to cache. ``attention_rejections``: kernel name -> reasons it
     cannot run here. ``text_tokens``: the text encoder's padded length. ``temporal_factor``:
     0 for an image model. ``special_tokens``: the tokenizers' special strings.
     ``scm_preset_steps``: preset -> step counts cache-dit's mask builder accepts.
@@ -95,6 +97,7 @@ class ModelFacts:
     spatial_factor: int
     guidance_embeds: bool
     num_blocks: int = 0
+    longest_block_list: int = 0
     attention_rejections: dict = field(default_factory=dict)
     world_size: int = 1
     text_tokens: int = 0
@@ -126,7 +129,8 @@ class ModelFacts:
             default_steps=limits["default_steps"], default_guidance_scale=limits["default_guidance_scale"],
             max_n=limits["max_n"], max_pixels=limits["max_pixels"], max_steps=limits["max_steps"],
             max_prompt_chars=limits["max_prompt_chars"], guidance_embeds=self.guidance_embeds,
-            num_blocks=self.num_blocks, attention_rejections=self.attention_rejections, world_size=self.world_size,
+            num_blocks=self.num_blocks, longest_block_list=self.longest_block_list,
+            attention_rejections=self.attention_rejections, world_size=self.world_size,
             guidance_style=self.guidance_style, dual_mode=self.dual_mode, temporal_factor=self.temporal_factor,
             default_num_frames=limits["default_num_frames"], default_fps=limits["default_fps"],
             max_frames=limits["max_frames"], default_boundary_ratio=self.boundary_ratio,

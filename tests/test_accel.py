@@ -102,23 +102,41 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
     four_blocks = dataclasses.replace(LIMITS, num_blocks=4)
     message = refused(lambda: image({"enable_cache_dit": True}, four_blocks, AccelerationDefaults()))
     assert "cache-dit's own defaults" in message and "(Fn_compute_blocks unset: cache-dit's 8)" in message
-    assert image({"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 4}}, four_blocks,
+    assert image({"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 3}}, four_blocks,
                  AccelerationDefaults()).enable_cache_dit
+    # every block computed at the front and back: a "cached" step reused nothing, yet was reported
+    # as cached (helper-51: 7 of 8 steps "cached", the image equal to the exact one)
+    for fn, bn in ((4, 0), (3, 1), (1, 3)):
+        assert "= 4 leaves no block to cache of the model's 4 transformer blocks (at most 3" in refused(
+            lambda fn=fn, bn=bn: image({"enable_cache_dit": True, "cache_dit_params": {
+                "Fn_compute_blocks": fn, "Bn_compute_blocks": bn}}, four_blocks, AccelerationDefaults()))
+
+    # FLUX.2: two block lists cached apart (8 double-stream, 16 single-stream blocks in tiny-flux2):
+    # Fn + Bn is bounded by the shorter (cache-dit asserts), and at 8 the longer still caches 8
+    two_lists = dataclasses.replace(LIMITS, num_blocks=8, longest_block_list=16)
+    assert image({"enable_cache_dit": True}, two_lists, AccelerationDefaults()).enable_cache_dit
+    assert "= 9 exceeds the model's 8 transformer blocks (at most 8" in refused(lambda: image(
+        {"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 8, "Bn_compute_blocks": 1}},
+        two_lists, AccelerationDefaults()))
 
     warm_6 = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(max_warmup_steps=6))
-    assert "max_warmup_steps must be at most num_inference_steps (4)" in refused(
+    assert "max_warmup_steps must be below num_inference_steps (4)" in refused(
         lambda: image({"num_inference_steps": 4}, defaults=warm_6))
     assert image({"num_inference_steps": 8}, defaults=warm_6).enable_cache_dit
+    # warmup steps are never cached: as many as the steps would cache none
+    assert "max_warmup_steps must be below num_inference_steps (6), got 6" in refused(
+        lambda: image({"num_inference_steps": 6}, defaults=warm_6))
+    assert image({"num_inference_steps": 7}, defaults=warm_6).enable_cache_dit
     editing = dataclasses.replace(LIMITS, input_modes=(InputMode.IMAGE_TO_IMAGE,), max_input_pixels=64 * 64)
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
     edit = lambda strength: resolve_edit(validate_edit_request(  # noqa: E731
         {**BASE, "num_inference_steps": 8, "image": buf.getvalue(), "strength": strength}, editing), editing, warm_6)
     assert edit(1.0).effective_steps == 8
-    assert "at most num_inference_steps (4)" in refused(lambda: edit(0.5))  # strength 0.5 runs 4 of the 8
+    assert "below num_inference_steps (4)" in refused(lambda: edit(0.5))  # strength 0.5 runs 4 of the 8
     video = ServingLimits("tiny-wan", 16, 64, 48, 12, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
                           guidance_embeds=False, num_blocks=10)
-    assert "at most num_inference_steps (4)" in refused(lambda: resolve_video(
+    assert "below num_inference_steps (4)" in refused(lambda: resolve_video(
         validate_video_request({"prompt": "a ball", "num_inference_steps": 4}, video), video, warm_6))
 
 

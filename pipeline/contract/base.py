@@ -84,7 +84,10 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
     for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
         for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
             value = getattr(knobs, knob, None) if knobs is not None else None
-            if value is not None and value > steps:
+            if knob == "max_warmup_steps" and value is not None and value >= steps:
+                problems.append(f"{where}.max_warmup_steps must be below num_inference_steps ({steps}), got "
+                                f"{value}: warmup steps are never cached, so it would leave no step to cache")
+            elif value is not None and value > steps:
                 problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
     if params.scm_compute_bins is not None:
         for name in ("scm_compute_bins", "scm_cache_bins"):
@@ -106,10 +109,10 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
 def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int | None) -> list[str]:
     """What in ``cache_dit_params`` does not fit the model and a run of ``steps`` denoising
     steps (None: the steps are not known yet, only the model is checked): ``secondary`` only
-    for models with two transformers, Fn + Bn
-    within the model's blocks (an unset ``Fn_compute_blocks`` is cache-dit's default, 8:
-    cache-dit asserts each within the blocks), then :func:`step_problems`. One message per
-    problem."""
+    for models with two transformers, Fn + Bn below the model's blocks (an unset
+    ``Fn_compute_blocks`` is cache-dit's default, 8: cache-dit asserts each within the blocks;
+    equal leaves no block to cache, and each "cached" step would compute every block), then
+    :func:`step_problems`. One message per problem."""
     problems = []
     if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
         problems.append("cache_dit_params.secondary is only for models with two transformers; "
@@ -118,9 +121,13 @@ def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int
         for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
             knobs = params.for_transformer(name)
             used = (knobs.Fn_compute_blocks or 8) + (knobs.Bn_compute_blocks or 0)  # cache-dit's Fn default: 8
-            if used > limits.num_blocks and (name == "transformer" or params.secondary is not None):
-                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the "
-                                f"model's {limits.num_blocks} transformer blocks"
+            longest = limits.longest_block_list or limits.num_blocks
+            checked = name == "transformer" or params.secondary is not None
+            if checked and (used > limits.num_blocks or used >= longest):
+                what = "exceeds" if used > limits.num_blocks else "leaves no block to cache of"
+                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} {what} the "
+                                f"model's {limits.num_blocks} transformer blocks (at most "
+                                f"{min(limits.num_blocks, longest - 1)}: a cached step reuses the blocks between them)"
                                 + ("" if knobs.Fn_compute_blocks else " (Fn_compute_blocks unset: cache-dit's 8)"))
     if steps is not None:
         problems += step_problems(params, limits, steps)
@@ -289,7 +296,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _cache_dit_fits_the_model(cls, params: CacheDiTParams | None, info: ValidationInfo):
         """Knobs checked against the model and this request: ``secondary`` only for models with
-        two transformers, Fn + Bn within the model's blocks, SCM bins covering the steps. A
+        two transformers, Fn + Bn below the model's blocks, SCM bins covering the steps. A
         field validator, so its problems are listed with every other field's."""
         limits = limits_of(info)
         if not limits or params is None:

@@ -19,7 +19,9 @@ class ServingLimits:
 
     ``spatial_factor``: width and height must be multiples of it (pixels; FLUX: VAE factor
     8 × patch 2 = 16). ``max_pixels``: width × height. Defaults fill fields a request omits.
-    ``num_blocks``: transformer blocks cache-dit sees (0: unknown, not checked).
+    ``num_blocks``: transformer blocks cache-dit sees (0: unknown, not checked); an
+    ``Fn_compute_blocks + Bn_compute_blocks`` past it is refused (cache-dit asserts), as is one
+    reaching ``longest_block_list`` (0: ``num_blocks``), which would leave no block to cache.
     ``attention_rejections``: kernel name -> why it cannot run here. ``world_size``: ranks
     the latent tokens of a sample are split across. ``guidance_style``: the guidance mode the
     model uses when guided. ``temporal_factor``: video models take ``k · temporal_factor + 1``
@@ -58,6 +60,7 @@ class ServingLimits:
     max_prompt_chars: int = 2000
     guidance_embeds: bool = True
     num_blocks: int = 0
+    longest_block_list: int = 0
     attention_rejections: dict = field(default_factory=dict)
     world_size: int = 1
     guidance_style: GuidanceMode = GuidanceMode.TRUE_CFG

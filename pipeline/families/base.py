@@ -60,6 +60,7 @@ class ModelFamily(Protocol):
     max_side: int                           # the widest/tallest output its position table covers (pixels; 0: any)
     max_latent_frames: int                  # video: the latent frames its position table covers (0: any)
     max_aspect_ratio: float                 # the most elongated output it can take (long side / short; 0: any)
+    longest_block_list: int                 # blocks of the longest list cache-dit caches (0: num_blocks)
 
     @classmethod
     def from_pretrained(cls, path: Any, *, torch_dtype: torch.dtype, device: str, components: str = "all",

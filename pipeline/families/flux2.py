@@ -121,6 +121,11 @@ class Flux2Family:
         each (``cache_dit.caching.cache_blocks.pattern_base``)."""
         return min(len(self.transformer.transformer_blocks), len(self.transformer.single_transformer_blocks))
 
+    @property
+    def longest_block_list(self) -> int:
+        """The longer block list (FLUX.2 [dev]: its 48 single-stream blocks)."""
+        return max(len(self.transformer.transformer_blocks), len(self.transformer.single_transformer_blocks))
+
     def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
         """Tokens per sample: patchified latent pixels and Mistral text tokens (both split under SP)."""
         return {"image tokens": (height // self.spatial_factor) * (width // self.spatial_factor),

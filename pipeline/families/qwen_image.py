@@ -81,6 +81,7 @@ class QwenImageFamily:
     max_side = 0  # positions are computed for any size (no table to run past)
     max_latent_frames = 0  # an image model
     max_aspect_ratio = 0.0  # any
+    longest_block_list = 0  # cache-dit caches one list: num_blocks
 
     def __init__(self, pipe, vae_scale_factor: int):
         self.pipe = pipe

@@ -76,6 +76,7 @@ class WanFamily:
     sequence_multiple = 1  # its latent tokens are split as they are
     requires_image = False  # text alone generates
     max_aspect_ratio = 0.0  # any
+    longest_block_list = 0  # cache-dit caches one list per transformer: num_blocks
 
     def __init__(self, pipe, vae: dict, dual_transformer: str | None = None):
         self.pipe = pipe

@@ -60,6 +60,7 @@ class ZImageFamily:
     requires_image = False  # text alone generates
     max_latent_frames = 0  # an image model
     max_aspect_ratio = 0.0  # any
+    longest_block_list = 0  # cache-dit caches one list (layers): num_blocks
     patch_size = 2
 
     def __init__(self, pipe, vae_scale_factor: int):
