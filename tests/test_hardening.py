@@ -54,6 +54,9 @@ def refused(body: dict, limits: ServingLimits = LIMITS, video: bool = False) -> 
     ({"guidance_scale": 3.5e38}, "guidance_scale", "at most 100"),
     ({"true_cfg_scale": 1e39}, "true_cfg_scale", "at most 100"),
     ({"timeout_s": 1e308}, "timeout_s", "at most 600"),
+    # a value just past a bound is shown as sent, not rounded onto the bound (helper-50: "got 3600")
+    ({"timeout_s": 600.0001}, "timeout_s", "at most 600 seconds, got 600.0001"),
+    ({"guidance_scale": 100.0000001}, "guidance_scale", "at most 100, got 100.0000001"),
     ({"seed": 2**64}, "seed", "less than"),
     ({"n": 2**64}, "n", "between 1 and 4"),
     ({"num_inference_steps": 2**63}, "num_inference_steps", "between 1 and 100"),

@@ -105,6 +105,7 @@ def test_pixel_modes_convert_to_rgb_or_are_refused_by_name():
     ("mask not an image", {"image": picture(), "mask": b"GIF89a"}, "mask", "accepted format"),
     ("strength 0", {"image": picture(), "strength": 0.0}, "strength", "strength must be in (0, 1]"),
     ("strength above 1", {"image": picture(), "strength": 1.5}, "strength", "strength must be in (0, 1]"),
+    ("strength just above 1", {"image": picture(), "strength": 1.0000001}, "strength", "got 1.0000001"),
     ("strength NaN", {"image": picture(), "strength": float("nan")}, "strength", "finite"),
     ("no step left", {"image": picture(), "strength": 1e-20, "num_inference_steps": 1}, "strength",
      "leaves no step to run"),

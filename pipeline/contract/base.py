@@ -43,7 +43,7 @@ def guidance_scale(v: float | None, info: ValidationInfo) -> float | None:
     """A guidance scale: finite, in [0, MAX_GUIDANCE_SCALE]."""
     non_negative(v, info)
     if v is not None and v > MAX_GUIDANCE_SCALE:
-        raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v:g}")
+        raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v:.15g}")
     return v
 
 
@@ -271,7 +271,7 @@ class GenerationRequest(BaseModel):
     def _timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
         limits = limits_of(info)
         if v is not None and limits and v > limits.max_timeout_s:
-            raise ValueError(f"timeout_s must be at most {limits.max_timeout_s:g} seconds, got {v:g}")
+            raise ValueError(f"timeout_s must be at most {limits.max_timeout_s:g} seconds, got {v:.15g}")
         return v
 
     @field_validator("cfg_gate_step")
