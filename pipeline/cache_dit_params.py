@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Static bounds, before the request and the model are known (the request validator then checks
 # against its own step count and the model's block count).
@@ -27,6 +27,10 @@ MAX_STEPS = 10_000
 # (arXiv:2503.06923) and cache-dit recommend 1 or 2. Orders beyond 4 only cost memory.
 MAX_TAYLORSEER_ORDER = 4
 MAX_THRESHOLD = 1e6  # residual_diff_threshold is a relative L1 difference (typically 0.05..1)
+# cache-dit's own defaults of the knobs a request may leave unset (``DBCacheConfig``), which
+# validation counts with: its Fn must fit the blocks, its warmup must leave steps to cache
+DEFAULT_FN_COMPUTE_BLOCKS = 8
+DEFAULT_MAX_WARMUP_STEPS = 8
 
 SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra")
 SCM_POLICIES = ("dynamic", "static")
@@ -39,8 +43,8 @@ class CacheDiTKnobs(BaseModel):
     ``Fn_compute_blocks`` / ``Bn_compute_blocks``: blocks always computed at the front / back
     (Fn >= 1). ``max_warmup_steps``: first steps never cached. ``residual_diff_threshold`` (> 0):
     relative L1 change of the first blocks' residual below which a step is served from cache.
-    ``max_continuous_cached_steps`` (-1: unlimited; 0 is refused: it caches no step): cached
-    steps in a row. ``enable_taylorseer`` / ``taylorseer_order`` (1..4): TaylorSeer forecasting
+    ``max_continuous_cached_steps`` (-1: unlimited; 0 caches no step but under a static SCM
+    mask, and is refused otherwise): cached steps in a row. ``enable_taylorseer`` / ``taylorseer_order`` (1..4): TaylorSeer forecasting
     of cached residuals.
     """
 
@@ -68,16 +72,6 @@ class CacheDiTKnobs(BaseModel):
                 and set(secondary) <= set(CacheDiTKnobs.model_fields):
             data.pop("secondary")
         return data
-
-    @field_validator("max_continuous_cached_steps")
-    @classmethod
-    def _some_cached_steps(cls, v: int | None) -> int | None:
-        """0 would stop cache-dit from ever caching (its limit is reached before the first
-        cached step), though the request asked for Cache-DiT."""
-        if v == 0:
-            raise ValueError("max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 would "
-                             "cache no step (enable_cache_dit: false runs exact)")
-        return v
 
     def set_knobs(self) -> dict:
         """The knobs this override sets, by cache-dit's names (unset ones left out)."""

@@ -170,6 +170,9 @@ def check_unrequested_cache_dit(params: SamplingParams, request, limits: Serving
     if not params.enable_cache_dit or request.cache_dit_params is not None or params.cache_dit_params is None:
         return params
     problems = cache_dit_problems(params.cache_dit_params, limits, params.effective_steps)
+    if problems and params.effective_steps != params.num_inference_steps:  # an edit's strength < 1
+        problems = [f"{p} (strength {params.strength:g} runs {params.effective_steps} of the "
+                    f"{params.num_inference_steps} steps)" for p in problems]
     if problems:
         source = ("cache-dit's own defaults (no cache_dit_params given)" if params.cache_dit_params == CacheDiTParams()
                   else "the server's default acceleration.cache_dit_params")

@@ -115,28 +115,45 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
     # Fn + Bn is bounded by the shorter (cache-dit asserts), and at 8 the longer still caches 8
     two_lists = dataclasses.replace(LIMITS, num_blocks=8, longest_block_list=16)
     assert image({"enable_cache_dit": True}, two_lists, AccelerationDefaults()).enable_cache_dit
-    assert "= 9 exceeds the model's 8 transformer blocks (at most 8" in refused(lambda: image(
+    assert "= 9 exceeds the model's 8 transformer blocks in its shorter block list (cache-dit caches each " \
+           "apart) (at most 8)" in refused(lambda: image(
         {"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 8, "Bn_compute_blocks": 1}},
         two_lists, AccelerationDefaults()))
 
     warm_6 = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(max_warmup_steps=6))
-    assert "max_warmup_steps must be below num_inference_steps (4)" in refused(
+    assert "max_warmup_steps must be at most num_inference_steps (4)" in refused(
         lambda: image({"num_inference_steps": 4}, defaults=warm_6))
     assert image({"num_inference_steps": 8}, defaults=warm_6).enable_cache_dit
     # warmup steps are never cached: as many as the steps would cache none
-    assert "max_warmup_steps must be below num_inference_steps (6), got 6" in refused(
+    assert "max_warmup_steps (6) must be below num_inference_steps (6)" in refused(
         lambda: image({"num_inference_steps": 6}, defaults=warm_6))
     assert image({"num_inference_steps": 7}, defaults=warm_6).enable_cache_dit
+    # cache-dit's own warmup (8) when unset: 8 steps would cache none (helper-52); an SCM mask
+    # shortens the warmup, and a static one caches whatever max_continuous_cached_steps says
+    bare = AccelerationDefaults()
+    assert "max_warmup_steps (unset: cache-dit's 8) must be below num_inference_steps (8)" in refused(
+        lambda: image({"num_inference_steps": 8, "enable_cache_dit": True}, defaults=bare))
+    assert image({"num_inference_steps": 9, "enable_cache_dit": True}, defaults=bare).enable_cache_dit
+    assert "a run of 1 step leaves Cache-DiT no step to cache" in refused(lambda: image(
+        {"num_inference_steps": 1, "enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 0}},
+        defaults=bare))
+    masked = {"num_inference_steps": 8, "enable_cache_dit": True,
+              "cache_dit_params": {**STATIC_FAST, "max_warmup_steps": 8, "max_continuous_cached_steps": 0}}
+    assert image(masked, defaults=bare).enable_cache_dit
+    dynamic = {**masked, "cache_dit_params": {**masked["cache_dit_params"], "scm_policy": "dynamic"}}
+    assert "max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0" in refused(
+        lambda: image(dynamic, defaults=bare))
     editing = dataclasses.replace(LIMITS, input_modes=(InputMode.IMAGE_TO_IMAGE,), max_input_pixels=64 * 64)
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
     edit = lambda strength: resolve_edit(validate_edit_request(  # noqa: E731
         {**BASE, "num_inference_steps": 8, "image": buf.getvalue(), "strength": strength}, editing), editing, warm_6)
     assert edit(1.0).effective_steps == 8
-    assert "below num_inference_steps (4)" in refused(lambda: edit(0.5))  # strength 0.5 runs 4 of the 8
+    assert "at most num_inference_steps (4), got 6 (strength 0.5 runs 4 of the 8 steps)" in refused(
+        lambda: edit(0.5))  # the server's default knobs: the steps the request gave are named too
     video = ServingLimits("tiny-wan", 16, 64, 48, 12, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
                           guidance_embeds=False, num_blocks=10)
-    assert "below num_inference_steps (4)" in refused(lambda: resolve_video(
+    assert "at most num_inference_steps (4)" in refused(lambda: resolve_video(
         validate_video_request({"prompt": "a ball", "num_inference_steps": 4}, video), video, warm_6))
 
 
@@ -309,3 +326,16 @@ def test_state_actions_are_logged_with_the_batch_id_and_the_record_is_bounded(ru
     for _ in range(EVENTS_KEPT + 5):  # a long-lived replica keeps only the newest actions
         runner.events.append(("b", "refresh", "transformer"))
     assert len(runner.events) == EVENTS_KEPT
+
+
+def test_what_validation_lets_through_as_cacheable_caches(runner):
+    """(Last: it leaves the module's runner mounted.) The knobs validation accepts at its edges do cache on the real model: a static SCM mask
+    with a warmup of every step and no continuous cached steps (cache-dit shortens the warmup to
+    the mask's first computed steps; a static mask ignores the continuous limit), and Fn + Bn one
+    below the blocks (helper-52 measured both; at the blocks the image was the exact one)."""
+    exact = run(runner, {**BASE, "num_inference_steps": 8})[0]
+    for knobs in ({**STATIC_FAST, "max_warmup_steps": 8, "max_continuous_cached_steps": 0},
+                  {"Fn_compute_blocks": 1, "Bn_compute_blocks": 8, "max_warmup_steps": 1,
+                   "residual_diff_threshold": 1e5}):
+        out = run(runner, {**BASE, "num_inference_steps": 8, "enable_cache_dit": True, "cache_dit_params": knobs})[0]
+        assert out.acceleration.cache_dit.cached_steps > 0 and out.images != exact.images, knobs

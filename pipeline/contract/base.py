@@ -16,7 +16,7 @@ from typing import Any, ClassVar, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from parallel.kernels import kernel_names
-from pipeline.cache_dit_params import CacheDiTParams
+from pipeline.cache_dit_params import DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS, CacheDiTParams
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import did_you_mean, shown, text_problem
@@ -43,7 +43,7 @@ def guidance_scale(v: float | None, info: ValidationInfo) -> float | None:
     """A guidance scale: finite, in [0, MAX_GUIDANCE_SCALE]."""
     non_negative(v, info)
     if v is not None and v > MAX_GUIDANCE_SCALE:
-        raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v:.15g}")
+        raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v}")
     return v
 
 
@@ -79,16 +79,34 @@ def one_of(field: str, value, allowed: tuple[str, ...]):
 
 def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> list[str]:
     """What in ``cache_dit_params`` does not fit a run of ``steps`` denoising steps (warmup and
-    continuous-cache bounds, SCM bins and presets): one message per problem."""
+    continuous-cache bounds, SCM bins and presets), and knobs with which cache-dit would cache
+    none of them: a warmup (cache-dit's 8 when unset) covering every step, the first step having
+    nothing to reuse, or ``max_continuous_cached_steps`` 0. An SCM mask shortens cache-dit's
+    warmup to its first computed steps, and under ``scm_policy`` static caches whatever the
+    continuous limit (``cache_dit.caching.cache_contexts``). One message per problem; a
+    ``secondary`` knob only where it sets it (else the primary's message covers it)."""
     problems: list[str] = []
+    static = params.has_mask and params.scm_policy == "static"
     for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-        for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
-            value = getattr(knobs, knob, None) if knobs is not None else None
-            if knob == "max_warmup_steps" and value is not None and value >= steps:
-                problems.append(f"{where}.max_warmup_steps must be below num_inference_steps ({steps}), got "
-                                f"{value}: warmup steps are never cached, so it would leave no step to cache")
-            elif value is not None and value > steps:
-                problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
+        if knobs is None:
+            continue
+        warmup, continuous = knobs.max_warmup_steps, knobs.max_continuous_cached_steps
+        if warmup is not None and warmup > steps:
+            problems.append(f"{where}.max_warmup_steps must be at most num_inference_steps ({steps}), got {warmup}")
+        elif not params.has_mask and (warmup is not None or knobs is params):
+            given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
+            if steps == 1:  # its first step has nothing to reuse
+                problems.append(f"{where}: a run of 1 step leaves Cache-DiT no step to cache")
+            elif (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
+                problems.append(f"{where}.max_warmup_steps ({given}) must be below num_inference_steps ({steps}): "
+                                "warmup steps are never cached, so none would be (or give an SCM mask, scm_preset, "
+                                "which shortens the warmup)")
+        if continuous == 0 and not static:
+            problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 "
+                            "caches no step (but under a static SCM mask, scm_policy static)")
+        elif continuous is not None and continuous > steps:
+            problems.append(f"{where}.max_continuous_cached_steps must be at most num_inference_steps ({steps}), "
+                            f"got {continuous}")
     if params.scm_compute_bins is not None:
         for name in ("scm_compute_bins", "scm_cache_bins"):
             if len(getattr(params, name)) > steps:
@@ -120,15 +138,22 @@ def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int
     if limits.num_blocks:
         for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
             knobs = params.for_transformer(name)
-            used = (knobs.Fn_compute_blocks or 8) + (knobs.Bn_compute_blocks or 0)  # cache-dit's Fn default: 8
+            if name != "transformer" and params.secondary is None:
+                continue
+            used = (knobs.Fn_compute_blocks or DEFAULT_FN_COMPUTE_BLOCKS) + (knobs.Bn_compute_blocks or 0)
             longest = limits.longest_block_list or limits.num_blocks
-            checked = name == "transformer" or params.secondary is not None
-            if checked and (used > limits.num_blocks or used >= longest):
-                what = "exceeds" if used > limits.num_blocks else "leaves no block to cache of"
-                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} {what} the "
-                                f"model's {limits.num_blocks} transformer blocks (at most "
-                                f"{min(limits.num_blocks, longest - 1)}: a cached step reuses the blocks between them)"
-                                + ("" if knobs.Fn_compute_blocks else " (Fn_compute_blocks unset: cache-dit's 8)"))
+            unset = "" if knobs.Fn_compute_blocks else \
+                f" (Fn_compute_blocks unset: cache-dit's {DEFAULT_FN_COMPUTE_BLOCKS})"
+            if used > limits.num_blocks:  # cache-dit asserts (on each list, where it caches several apart)
+                lists = " in its shorter block list (cache-dit caches each apart)" if longest > limits.num_blocks \
+                    else ""
+                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the model's "
+                                f"{limits.num_blocks} transformer blocks{lists} (at most "
+                                f"{min(limits.num_blocks, longest - 1)}){unset}")
+            elif used >= longest:
+                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} leaves no block to cache of "
+                                f"the model's {longest} transformer blocks (at most {longest - 1}: a cached step "
+                                f"reuses the blocks between them){unset}")
     if steps is not None:
         problems += step_problems(params, limits, steps)
     return problems
@@ -271,7 +296,7 @@ class GenerationRequest(BaseModel):
     def _timeout(cls, v: float | None, info: ValidationInfo) -> float | None:
         limits = limits_of(info)
         if v is not None and limits and v > limits.max_timeout_s:
-            raise ValueError(f"timeout_s must be at most {limits.max_timeout_s:g} seconds, got {v:.15g}")
+            raise ValueError(f"timeout_s must be at most {limits.max_timeout_s:g} seconds, got {v}")
         return v
 
     @field_validator("cfg_gate_step")

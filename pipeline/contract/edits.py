@@ -26,7 +26,7 @@ EDIT_MODES = (InputMode.IMAGE_TO_IMAGE, InputMode.INPAINT, InputMode.REFERENCE) 
 def strength_problem(v: float | None) -> str | None:
     """Why ``strength`` is out of (0, 1], or None."""
     if v is not None and not 0.0 < v <= 1.0:
-        return f"strength must be in (0, 1] (the fraction of the steps that re-noise the image), got {v:.15g}"
+        return f"strength must be in (0, 1] (the fraction of the steps that re-noise the image), got {v}"
     return None
 
 

@@ -84,7 +84,7 @@ class FluxFamily:
     max_side = 0  # positions are computed for any size (no table to run past)
     max_latent_frames = 0  # an image model
     max_aspect_ratio = 0.0  # any
-    longest_block_list = 0  # cache-dit caches one list: num_blocks
+    longest_block_list = 0  # cache-dit's FLUX adapter caches both lists as one (CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS)
     dual_mode = DualMode.SINGLE
     boundary_ratio = None
     guidance_style = GuidanceMode.TRUE_CFG  # guidance embedding + diffusers' true CFG on a negative prompt
