@@ -28,7 +28,7 @@ from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, ca
                               install_error_handlers, json_body, json_or_form_body, key_default_priority,
                               load_api_keys, query_params, request_body, request_fingerprint)
 from deployments.serve_logs import answers_are_not_failures
-from pipeline.contract.base import cache_dit_problems
+from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -236,7 +236,7 @@ class Ingress:
         get the checks of the config file (``AccelerationConfig``, the default kernel on this
         model's device, dtype and ring degree, ``lora_registry``: ``ingress_update``), and, once
         the model is known, the default Cache-DiT knobs against its blocks (each request's
-        steps are checked as it comes, ``check_unrequested_cache_dit``); an update that fails them is
+        steps are checked as it comes, ``check_cache_dit``); an update that fails them is
         refused and the settings in force stay (``deployments.live_config``; at start it raises
         ``ValueError``). An acceleration field the update leaves out keeps ``args``' value."""
         await self._live.apply(user_config, self._apply_user_config)
@@ -249,6 +249,8 @@ class Ingress:
             defaults = AccelerationDefaults.from_config(acceleration.model_dump())
             if defaults.cache_dit_params is not None and self._limits is not None:  # the model is known
                 problems = cache_dit_problems(defaults.cache_dit_params, self._limits, None)
+                if defaults.enable_cache_dit:  # knobs that would cache nothing matter only where it runs
+                    problems += nothing_cached_problems(defaults.cache_dit_params, self._limits, None)
                 if problems:
                     raise ValueError("acceleration.cache_dit_params does not fit the model: " + "; ".join(problems))
             self._defaults = defaults

@@ -43,9 +43,10 @@ class CacheDiTKnobs(BaseModel):
     ``Fn_compute_blocks`` / ``Bn_compute_blocks``: blocks always computed at the front / back
     (Fn >= 1). ``max_warmup_steps``: first steps never cached. ``residual_diff_threshold`` (> 0):
     relative L1 change of the first blocks' residual below which a step is served from cache.
-    ``max_continuous_cached_steps`` (-1: unlimited; 0 caches no step but under a static SCM
-    mask, and is refused otherwise): cached steps in a row. ``enable_taylorseer`` / ``taylorseer_order`` (1..4): TaylorSeer forecasting
-    of cached residuals.
+    ``max_continuous_cached_steps`` (-1: unlimited; 0 caches no step, except under a static SCM
+    mask): cached steps in a row. ``enable_taylorseer`` / ``taylorseer_order`` (1..4): TaylorSeer
+    forecasting of cached residuals. Knobs with which Cache-DiT would cache nothing are refused
+    where it runs (``pipeline.contract.base.nothing_cached_problems``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass
 
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.base import cache_dit_problems
+from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
-    edit_mode, effective_steps
+    edit_mode, effective_steps, strength_runs
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.limits import ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
@@ -161,33 +161,38 @@ def _seed(request) -> int:
     return request.seed if request.seed is not None else secrets.randbelow(2**31)
 
 
-def check_unrequested_cache_dit(params: SamplingParams, request, limits: ServingLimits) -> SamplingParams:
-    """``params`` when its Cache-DiT knobs fit the model and its steps (``effective_steps``),
-    checked here for knobs the request did not give (the server's default
-    ``acceleration.cache_dit_params``, or cache-dit's own defaults for ``enable_cache_dit``
-    alone; a request's own are checked with its fields). Raises ``InvalidRequestError``
-    naming ``cache_dit_params`` (a 400: cache-dit asserted in the batch, a 500)."""
-    if not params.enable_cache_dit or request.cache_dit_params is not None or params.cache_dit_params is None:
+def check_cache_dit(params: SamplingParams, request, limits: ServingLimits) -> SamplingParams:
+    """``params`` when the Cache-DiT it runs (``enable_cache_dit`` resolved) fits the model and
+    its steps (``effective_steps``) and can cache some of them: the knobs the request did not
+    give (the server's default ``acceleration.cache_dit_params``, or cache-dit's own defaults for
+    ``enable_cache_dit`` alone; a request's own were checked with its fields) against the model
+    and the steps, and every knob against :func:`nothing_cached_problems` (only here, once it is
+    known that Cache-DiT runs: a request that turns it off may keep its knobs). Raises
+    ``InvalidRequestError`` naming ``cache_dit_params`` (a 400: cache-dit asserted in the batch,
+    a 500; a Cache-DiT that cached nothing said it was active)."""
+    if not params.enable_cache_dit or params.cache_dit_params is None:
         return params
-    problems = cache_dit_problems(params.cache_dit_params, limits, params.effective_steps)
-    if problems and params.effective_steps != params.num_inference_steps:  # an edit's strength < 1
-        problems = [f"{p} (strength {params.strength:g} runs {params.effective_steps} of the "
-                    f"{params.num_inference_steps} steps)" for p in problems]
-    if problems:
-        source = ("cache-dit's own defaults (no cache_dit_params given)" if params.cache_dit_params == CacheDiTParams()
-                  else "the server's default acceleration.cache_dit_params")
-        raise InvalidRequestError(f"cache_dit_params: Cache-DiT would run with {source}, which do not fit this "
-                                  f"request: {'; '.join(problems)}; give cache_dit_params that fit, or "
-                                  "enable_cache_dit: false", param="cache_dit_params", code="invalid_value")
-    return params
+    steps, own = params.effective_steps, request.cache_dit_params is not None
+    problems = [*([] if own else cache_dit_problems(params.cache_dit_params, limits, steps)),
+                *nothing_cached_problems(params.cache_dit_params, limits, steps)]
+    if not problems:
+        return params
+    problems = [p + strength_runs(params.strength, steps, params.num_inference_steps) for p in problems]
+    if own:
+        raise InvalidRequestError("; ".join(problems), param="cache_dit_params", code="invalid_value")
+    source = ("cache-dit's own defaults (no cache_dit_params given)" if params.cache_dit_params == CacheDiTParams()
+              else "the server's default acceleration.cache_dit_params")
+    raise InvalidRequestError(f"cache_dit_params: Cache-DiT would run with {source}, which do not fit this "
+                              f"request: {'; '.join(problems)}; give cache_dit_params that fit, or "
+                              "enable_cache_dit: false", param="cache_dit_params", code="invalid_value")
 
 
 def resolve(request: ImageGenerationRequest, limits: ServingLimits,
             defaults: AccelerationDefaults = AccelerationDefaults(),
             request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated image request. Raises ``InvalidRequestError``
-    (:func:`check_unrequested_cache_dit`)."""
-    return check_unrequested_cache_dit(_resolve_image(request, limits, defaults, request_id), request, limits)
+    (:func:`check_cache_dit`)."""
+    return check_cache_dit(_resolve_image(request, limits, defaults, request_id), request, limits)
 
 
 def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defaults: AccelerationDefaults,
@@ -230,13 +235,13 @@ def resolve_edit(request: ImageEditRequest, limits: ServingLimits,
                  request_id: str | None = None) -> SamplingParams:
     """Apply server defaults to a validated edit and decode its uploads (Pillow, in the Ingress).
     Raises ``InvalidRequestError`` naming ``image`` or ``mask`` for an upload that fails, or
-    ``cache_dit_params`` (:func:`check_unrequested_cache_dit`, for the steps ``strength`` runs)."""
+    ``cache_dit_params`` (:func:`check_cache_dit`, for the steps ``strength`` runs)."""
     mode = edit_mode(request, limits)
     width, height, images, mask = decode_edit_inputs(request, limits)
     check_edit_size(width, height, limits, "size" if request.size else "image")
     base = _resolve_image(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
     strength = request.strength if request.strength is not None else default_strength(mode, limits)
-    return check_unrequested_cache_dit(dataclasses.replace(base, input_mode=mode, strength=strength,
+    return check_cache_dit(dataclasses.replace(base, input_mode=mode, strength=strength,
                                                            num_input_images=len(images), images=images, mask=mask),
                                        request, limits)
 
@@ -247,12 +252,12 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
     """Apply server defaults to a validated video request (one video per request); an
     ``input_reference`` is decoded here (image-to-video). Raises ``InvalidRequestError``
     naming ``input_reference`` for an upload that fails, or ``cache_dit_params``
-    (:func:`check_unrequested_cache_dit`)."""
+    (:func:`check_cache_dit`)."""
     width, height = _size(request, limits)
     reference = ()
     if request.input_reference is not None:
         reference = (decode_reference(request.input_reference, width, height, limits, "input_reference"),)
-    return check_unrequested_cache_dit(SamplingParams(
+    return check_cache_dit(SamplingParams(
         input_mode=InputMode.IMAGE_TO_VIDEO if reference else InputMode.TEXT,
         num_input_images=len(reference),
         images=reference,

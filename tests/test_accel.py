@@ -125,13 +125,13 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
         lambda: image({"num_inference_steps": 4}, defaults=warm_6))
     assert image({"num_inference_steps": 8}, defaults=warm_6).enable_cache_dit
     # warmup steps are never cached: as many as the steps would cache none
-    assert "max_warmup_steps (6) must be below num_inference_steps (6)" in refused(
+    assert "max_warmup_steps (6) must be below the 6 steps that run (at most 5)" in refused(
         lambda: image({"num_inference_steps": 6}, defaults=warm_6))
     assert image({"num_inference_steps": 7}, defaults=warm_6).enable_cache_dit
     # cache-dit's own warmup (8) when unset: 8 steps would cache none (helper-52); an SCM mask
     # shortens the warmup, and a static one caches whatever max_continuous_cached_steps says
     bare = AccelerationDefaults()
-    assert "max_warmup_steps (unset: cache-dit's 8) must be below num_inference_steps (8)" in refused(
+    assert "max_warmup_steps (unset: cache-dit's 8) must be below the 8 steps that run" in refused(
         lambda: image({"num_inference_steps": 8, "enable_cache_dit": True}, defaults=bare))
     assert image({"num_inference_steps": 9, "enable_cache_dit": True}, defaults=bare).enable_cache_dit
     assert "a run of 1 step leaves Cache-DiT no step to cache" in refused(lambda: image(
@@ -143,6 +143,23 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
     dynamic = {**masked, "cache_dit_params": {**masked["cache_dit_params"], "scm_policy": "dynamic"}}
     assert "max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0" in refused(
         lambda: image(dynamic, defaults=bare))
+    # explicit bins whose first computes every step that runs (helper-53): nothing cached
+    assert "its first bin computes 4 steps, all 4 that run" in refused(lambda: image(
+        {"num_inference_steps": 4, "enable_cache_dit": True,
+         "cache_dit_params": {"scm_compute_bins": [4], "scm_cache_bins": [1], "scm_policy": "static"}}, defaults=bare))
+    # a 1-step run: one message, naming num_inference_steps, also with secondary knobs
+    one_step = refused(lambda: image({"num_inference_steps": 1, "enable_cache_dit": True}, defaults=bare))
+    assert one_step.count("a run of 1 step") == 1 and "num_inference_steps" in one_step
+    # which knobs cache nothing matters only where Cache-DiT runs (helper-53: 'false always wins' broke)
+    nothing = {"Fn_compute_blocks": 10, "max_continuous_cached_steps": 0}
+    for body in ({"enable_cache_dit": False, "num_inference_steps": 8, "cache_dit_params": {"Fn_compute_blocks": 2}},
+                 {"enable_cache_dit": False, "num_inference_steps": 1, "cache_dit_params": nothing},
+                 {"num_inference_steps": 8, "cache_dit_params": nothing}):  # the server's default: off
+        assert not image(body, defaults=bare).enable_cache_dit, body
+    on_by_default = AccelerationDefaults(enable_cache_dit=True)
+    message = refused(lambda: image({"num_inference_steps": 8, "cache_dit_params": nothing}, defaults=on_by_default))
+    assert "= 10 leaves no block to cache of the model's 10 transformer blocks (at most 9" in message
+    assert "max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0" in message
     editing = dataclasses.replace(LIMITS, input_modes=(InputMode.IMAGE_TO_IMAGE,), max_input_pixels=64 * 64)
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
@@ -329,10 +346,11 @@ def test_state_actions_are_logged_with_the_batch_id_and_the_record_is_bounded(ru
 
 
 def test_what_validation_lets_through_as_cacheable_caches(runner):
-    """(Last: it leaves the module's runner mounted.) The knobs validation accepts at its edges do cache on the real model: a static SCM mask
-    with a warmup of every step and no continuous cached steps (cache-dit shortens the warmup to
-    the mask's first computed steps; a static mask ignores the continuous limit), and Fn + Bn one
-    below the blocks (helper-52 measured both; at the blocks the image was the exact one)."""
+    """(Last: it leaves the module's runner mounted.) The knobs validation accepts at its edges
+    do cache on the real model: a static SCM mask with a warmup of every step and no continuous
+    cached steps (cache-dit shortens the warmup to the mask's first computed steps; a static mask
+    ignores the continuous limit), and Fn + Bn one below the blocks (helper-52 measured both; at
+    the blocks the image was the exact one)."""
     exact = run(runner, {**BASE, "num_inference_steps": 8})[0]
     for knobs in ({**STATIC_FAST, "max_warmup_steps": 8, "max_continuous_cached_steps": 0},
                   {"Fn_compute_blocks": 1, "Bn_compute_blocks": 8, "max_warmup_steps": 1,

@@ -137,7 +137,7 @@ def test_cache_dit_step_knobs_are_checked_against_the_steps_that_run():
     error = refused({"image": picture(), "strength": 0.5, "num_inference_steps": 8, "enable_cache_dit": True,
                      "cache_dit_params": {"max_warmup_steps": 6}})
     assert error.param == "cache_dit_params" or "max_warmup_steps" in str(error)
-    assert "strength 0.5 runs 4 steps" in str(error)
+    assert "strength 0.5 runs 4 of the 8 steps" in str(error)
     ok = edit({"image": picture(), "strength": 0.5, "num_inference_steps": 8, "enable_cache_dit": True,
                "cache_dit_params": {"scm_compute_bins": [2, 1], "scm_cache_bins": [1]}})
     assert ok.effective_steps == 4

@@ -79,34 +79,13 @@ def one_of(field: str, value, allowed: tuple[str, ...]):
 
 def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> list[str]:
     """What in ``cache_dit_params`` does not fit a run of ``steps`` denoising steps (warmup and
-    continuous-cache bounds, SCM bins and presets), and knobs with which cache-dit would cache
-    none of them: a warmup (cache-dit's 8 when unset) covering every step, the first step having
-    nothing to reuse, or ``max_continuous_cached_steps`` 0. An SCM mask shortens cache-dit's
-    warmup to its first computed steps, and under ``scm_policy`` static caches whatever the
-    continuous limit (``cache_dit.caching.cache_contexts``). One message per problem; a
-    ``secondary`` knob only where it sets it (else the primary's message covers it)."""
+    continuous-cache bounds, SCM bins and presets): one message per problem."""
     problems: list[str] = []
-    static = params.has_mask and params.scm_policy == "static"
     for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-        if knobs is None:
-            continue
-        warmup, continuous = knobs.max_warmup_steps, knobs.max_continuous_cached_steps
-        if warmup is not None and warmup > steps:
-            problems.append(f"{where}.max_warmup_steps must be at most num_inference_steps ({steps}), got {warmup}")
-        elif not params.has_mask and (warmup is not None or knobs is params):
-            given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
-            if steps == 1:  # its first step has nothing to reuse
-                problems.append(f"{where}: a run of 1 step leaves Cache-DiT no step to cache")
-            elif (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
-                problems.append(f"{where}.max_warmup_steps ({given}) must be below num_inference_steps ({steps}): "
-                                "warmup steps are never cached, so none would be (or give an SCM mask, scm_preset, "
-                                "which shortens the warmup)")
-        if continuous == 0 and not static:
-            problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 "
-                            "caches no step (but under a static SCM mask, scm_policy static)")
-        elif continuous is not None and continuous > steps:
-            problems.append(f"{where}.max_continuous_cached_steps must be at most num_inference_steps ({steps}), "
-                            f"got {continuous}")
+        for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
+            value = getattr(knobs, knob, None) if knobs is not None else None
+            if value is not None and value > steps:
+                problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
     if params.scm_compute_bins is not None:
         for name in ("scm_compute_bins", "scm_cache_bins"):
             if len(getattr(params, name)) > steps:
@@ -127,35 +106,78 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
 def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int | None) -> list[str]:
     """What in ``cache_dit_params`` does not fit the model and a run of ``steps`` denoising
     steps (None: the steps are not known yet, only the model is checked): ``secondary`` only
-    for models with two transformers, Fn + Bn below the model's blocks (an unset
-    ``Fn_compute_blocks`` is cache-dit's default, 8: cache-dit asserts each within the blocks;
-    equal leaves no block to cache, and each "cached" step would compute every block), then
-    :func:`step_problems`. One message per problem."""
+    for models with two transformers, Fn + Bn within the model's blocks (an unset
+    ``Fn_compute_blocks`` is cache-dit's default, 8; cache-dit asserts each within the blocks, and
+    a sum past them would compute blocks twice), then :func:`step_problems`. One message per
+    problem. Knobs that fit but would cache nothing: :func:`nothing_cached_problems`."""
     problems = []
     if params.secondary is not None and limits.dual_mode == DualMode.SINGLE:
         problems.append("cache_dit_params.secondary is only for models with two transformers; "
                         f"{limits.model_name!r} has one")
-    if limits.num_blocks:
-        for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
-            knobs = params.for_transformer(name)
-            if name != "transformer" and params.secondary is None:
-                continue
-            used = (knobs.Fn_compute_blocks or DEFAULT_FN_COMPUTE_BLOCKS) + (knobs.Bn_compute_blocks or 0)
+    for where, used, unset in _blocks_used(params) if limits.num_blocks else ():
+        if used > limits.num_blocks:
             longest = limits.longest_block_list or limits.num_blocks
-            unset = "" if knobs.Fn_compute_blocks else \
-                f" (Fn_compute_blocks unset: cache-dit's {DEFAULT_FN_COMPUTE_BLOCKS})"
-            if used > limits.num_blocks:  # cache-dit asserts (on each list, where it caches several apart)
-                lists = " in its shorter block list (cache-dit caches each apart)" if longest > limits.num_blocks \
-                    else ""
-                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the model's "
-                                f"{limits.num_blocks} transformer blocks{lists} (at most "
-                                f"{min(limits.num_blocks, longest - 1)}){unset}")
-            elif used >= longest:
-                problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} leaves no block to cache of "
-                                f"the model's {longest} transformer blocks (at most {longest - 1}: a cached step "
-                                f"reuses the blocks between them){unset}")
+            lists = " in its shorter block list (cache-dit caches each apart)" if longest > limits.num_blocks else ""
+            problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} exceeds the model's "
+                            f"{limits.num_blocks} transformer blocks{lists} (at most "
+                            f"{min(limits.num_blocks, longest - 1)}){unset}")
     if steps is not None:
         problems += step_problems(params, limits, steps)
+    return problems
+
+
+def _blocks_used(params: CacheDiTParams) -> list[tuple[str, int, str]]:
+    """(field path, Fn + Bn, a note when Fn is cache-dit's default) per transformer the knobs set."""
+    used = []
+    for where, name in (("cache_dit_params", "transformer"), ("cache_dit_params.secondary", "transformer_2")):
+        if name == "transformer" or params.secondary is not None:
+            knobs = params.for_transformer(name)
+            fn = knobs.Fn_compute_blocks or DEFAULT_FN_COMPUTE_BLOCKS
+            unset = "" if knobs.Fn_compute_blocks else f" (Fn_compute_blocks unset: cache-dit's {fn})"
+            used.append((where, fn + (knobs.Bn_compute_blocks or 0), unset))
+    return used
+
+
+def nothing_cached_problems(params: CacheDiTParams, limits: ServingLimits, steps: int | None) -> list[str]:
+    """Knobs that fit (:func:`cache_dit_problems` found nothing) but with which cache-dit would
+    cache none of ``steps`` denoising steps (None: only the model is checked), an unset knob
+    being cache-dit's default: Fn + Bn reaching the blocks of its longest list (a "cached" step
+    would compute them all), a 1-step run (its first step has nothing to reuse), explicit SCM bins
+    computing every step, a warmup (cache-dit's 8 when unset) covering every step without an SCM
+    mask (a mask shortens it to its first computed steps), ``max_continuous_cached_steps`` 0 but
+    under a static mask (which caches whatever that limit says; cache-dit's
+    ``cache_manager.can_cache`` and ``cache_context.warmup_steps``). Checked only where Cache-DiT
+    runs: a request that turns it off may keep its knobs. A boundary-expert model's experts each
+    run a share of the steps, which is not known here: they are checked against all of them."""
+    problems = []
+    longest = limits.longest_block_list or limits.num_blocks
+    for where, used, unset in _blocks_used(params) if limits.num_blocks else ():
+        if longest <= used <= limits.num_blocks:
+            problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} leaves no block to cache of "
+                            f"the model's {longest} transformer blocks (at most {longest - 1}: a cached step reuses "
+                            f"the blocks between them){unset}")
+    if steps is None:
+        return problems
+    if steps == 1:
+        return [*problems, "num_inference_steps: a run of 1 step leaves Cache-DiT no step to cache (its first step "
+                           "has nothing to reuse); run at least 2, or send enable_cache_dit: false"]
+    if params.scm_compute_bins is not None and params.scm_compute_bins[0] >= steps:
+        problems.append(f"cache_dit_params.scm_compute_bins: its first bin computes {params.scm_compute_bins[0]} "
+                        f"steps, all {steps} that run, so none would be cached (at most {steps - 1})")
+    static = params.has_mask and params.scm_policy == "static"
+    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
+        if knobs is None:
+            continue
+        warmup = knobs.max_warmup_steps
+        if not params.has_mask and (warmup is not None or knobs is params) and (warmup or 0) <= steps:
+            if (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
+                given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
+                problems.append(f"{where}.max_warmup_steps ({given}) must be below the {steps} steps that run (at most "
+                                f"{steps - 1}): warmup steps are never cached, so none would be (an SCM mask, "
+                                "scm_preset, shortens the warmup)")
+        if knobs.max_continuous_cached_steps == 0 and not static:
+            problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 caches "
+                            "no step, except under a static SCM mask (scm_policy: static)")
     return problems
 
 
@@ -321,7 +343,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _cache_dit_fits_the_model(cls, params: CacheDiTParams | None, info: ValidationInfo):
         """Knobs checked against the model and this request: ``secondary`` only for models with
-        two transformers, Fn + Bn below the model's blocks, SCM bins covering the steps. A
+        two transformers, Fn + Bn within the model's blocks, SCM bins covering the steps. A
         field validator, so its problems are listed with every other field's."""
         limits = limits_of(info)
         if not limits or params is None:
