@@ -28,6 +28,7 @@ from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, ca
                               install_error_handlers, json_body, json_or_form_body, key_default_priority,
                               load_api_keys, query_params, request_body, request_fingerprint)
 from deployments.serve_logs import answers_are_not_failures
+from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -247,12 +248,18 @@ class Ingress:
                                              model["dtype"], int(parallel.get("ring_degree", 1)))
         if acceleration is not None:
             defaults = AccelerationDefaults.from_config(acceleration.model_dump())
-            if defaults.cache_dit_params is not None and self._limits is not None:  # the model is known
-                problems = cache_dit_problems(defaults.cache_dit_params, self._limits, None)
-                if defaults.enable_cache_dit:  # knobs that would cache nothing matter only where it runs
-                    problems += nothing_cached_problems(defaults.cache_dit_params, self._limits, None)
+            if self._limits is not None and (defaults.cache_dit_params is not None or defaults.enable_cache_dit):
+                # the model is known. The default knobs run wherever a request turns Cache-DiT on
+                # (none may cache nothing); on by default, they run every request that leaves out
+                # num_inference_steps (limits.default_steps)
+                params = defaults.cache_dit_params or CacheDiTParams()
+                steps = self._limits.default_steps if defaults.enable_cache_dit else None
+                problems = [*cache_dit_problems(params, self._limits, steps),
+                            *nothing_cached_problems(params, self._limits, steps)]
                 if problems:
-                    raise ValueError("acceleration.cache_dit_params does not fit the model: " + "; ".join(problems))
+                    fits = " and its limits.default_steps" if steps else ""
+                    raise ValueError(f"acceleration.cache_dit_params does not fit the model{fits}: "
+                                     + "; ".join(problems))
             self._defaults = defaults
         if loras is not None:  # checked before either changed: both change, or neither
             self._loras = loras

@@ -85,7 +85,17 @@ def grey_png(width: int, height: int) -> bytes:
 
 def default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
     """The warmup request: the server's default size, frames, steps and acceleration settings
-    (a model that only edits, ``facts.requires_image``, warms up on an edit of a grey image)."""
+    (a model that only edits, ``facts.requires_image``, warms up on an edit of a grey image).
+    Raises ``ValueError`` naming ``acceleration`` when the defaults refuse it (Cache-DiT on by
+    default with knobs that cache none of ``limits.default_steps``)."""
+    try:
+        return _default_params(model_name, acceleration, limits, facts)
+    except InvalidRequestError as exc:
+        raise ValueError(f"acceleration: the server's defaults (acceleration, limits.default_steps) refuse the "
+                         f"warmup request: {exc.message}") from None
+
+
+def _default_params(model_name: str, acceleration: dict, limits: dict, facts: ModelFacts) -> SamplingParams:
     from deployments.config import LimitsConfig
 
     serving = facts.limits(model_name, LimitsConfig.model_validate(limits).model_dump())

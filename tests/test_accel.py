@@ -78,7 +78,7 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
     from pipeline.contract.edits import validate_edit_request
     from pipeline.contract.videos import validate_video_request
     from pipeline.errors import InvalidRequestError
-    from pipeline.modes import InputMode
+    from pipeline.modes import DualMode, InputMode
     from pipeline.sampling import resolve_edit, resolve_video
 
     too_many = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(Fn_compute_blocks=20))
@@ -144,7 +144,7 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
     assert "max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0" in refused(
         lambda: image(dynamic, defaults=bare))
     # explicit bins whose first computes every step that runs (helper-53): nothing cached
-    assert "its first bin computes 4 steps, all 4 that run" in refused(lambda: image(
+    assert "its first bin computes 4 steps, covering all 4 that run" in refused(lambda: image(
         {"num_inference_steps": 4, "enable_cache_dit": True,
          "cache_dit_params": {"scm_compute_bins": [4], "scm_cache_bins": [1], "scm_policy": "static"}}, defaults=bare))
     # a 1-step run: one message, naming num_inference_steps, also with secondary knobs
@@ -172,6 +172,16 @@ def test_cache_dit_knobs_a_request_did_not_give_are_checked_like_its_own(runner)
                           guidance_embeds=False, num_blocks=10)
     assert "at most num_inference_steps (4)" in refused(lambda: resolve_video(
         validate_video_request({"prompt": "a ball", "num_inference_steps": 4}, video), video, warm_6))
+    # an edit's and a video's own knobs that cache nothing, refused where Cache-DiT runs (helper-54)
+    own = {"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 4}}
+    assert "max_warmup_steps (4) must be below the 4 steps that run (at most 3): warmup steps are never cached, " \
+           "so none would be (an SCM mask, scm_preset, shortens the warmup) (strength 0.5 runs 4 of the 8 steps)" \
+        in refused(lambda: resolve_edit(validate_edit_request(
+            {**BASE, "num_inference_steps": 8, "image": buf.getvalue(), "strength": 0.5, **own}, editing), editing))
+    experts = dataclasses.replace(video, dual_mode=DualMode.BOUNDARY)
+    secondary = {"enable_cache_dit": True, "cache_dit_params": {"secondary": {"max_continuous_cached_steps": 0}}}
+    assert "cache_dit_params.secondary.max_continuous_cached_steps must be -1" in refused(lambda: resolve_video(
+        validate_video_request({"prompt": "a ball", "num_inference_steps": 12, **secondary}, experts), experts))
 
 
 def test_secondary_inherits_primary_knobs_and_scm_masks_reach_cache_dit():
@@ -343,6 +353,19 @@ def test_state_actions_are_logged_with_the_batch_id_and_the_record_is_bounded(ru
     for _ in range(EVENTS_KEPT + 5):  # a long-lived replica keeps only the newest actions
         runner.events.append(("b", "refresh", "transformer"))
     assert len(runner.events) == EVENTS_KEPT
+
+
+def test_defaults_that_cache_nothing_fail_the_replicas_warmup_naming_acceleration(runner):
+    """Cache-DiT on by default, cache-dit's own warmup (8) and 8 default steps: the warmup request
+    (the server's defaults) would cache nothing; the replica's start says so naming the config,
+    not as a request's 400 (helper-54). One more default step is taken."""
+    from deployments.replica import default_params
+
+    limits = {"default_steps": 8, "default_size": "64x64"}
+    with pytest.raises(ValueError, match=r"^acceleration: the server's defaults .*max_warmup_steps \(unset"):
+        default_params("tiny-flux", {"enable_cache_dit": True}, limits, runner.facts())
+    assert default_params("tiny-flux", {"enable_cache_dit": True}, {**limits, "default_steps": 9},
+                          runner.facts()).enable_cache_dit
 
 
 def test_what_validation_lets_through_as_cacheable_caches(runner):

@@ -95,8 +95,18 @@ def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, p
     ({}, {"ring_degree": 2}, {"attention_backend": "torch_sdpa"}, "kernel is fixed (parallel.ring_degree=2"),
     ({"torch_compile": True}, {}, {"attention_backend": "torch_math"}, "kernel is fixed (acceleration.torch_compile on"),
     ({}, {}, {"enable_cache_dit": True, "cache_dit_params": {"Fn_compute_blocks": 20}},
-     "acceleration.cache_dit_params does not fit the model: cache_dit_params: Fn_compute_blocks + "
-     "Bn_compute_blocks = 20 exceeds the model's 10 transformer blocks"),
+     "acceleration.cache_dit_params does not fit the model and its limits.default_steps: cache_dit_params: "
+     "Fn_compute_blocks + Bn_compute_blocks = 20 exceeds the model's 10 transformer blocks"),
+    # knobs that would cache nothing: refused also while off by default, for whoever turns it on
+    # (helper-54), and with no step count (max_continuous_cached_steps 0)
+    ({}, {}, {"enable_cache_dit": False, "cache_dit_params": {"Fn_compute_blocks": 10}},
+     "does not fit the model: cache_dit_params: Fn_compute_blocks + Bn_compute_blocks = 10 leaves no block"),
+    ({}, {}, {"cache_dit_params": {"max_continuous_cached_steps": 0}},
+     "cache_dit_params.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0"),
+    # on by default, the knobs run every request that leaves out num_inference_steps (12 here)
+    ({}, {}, {"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 12}},
+     "and its limits.default_steps: cache_dit_params.max_warmup_steps (12) must be below the 12 steps that run"),
+    ({}, {}, {"enable_cache_dit": True}, ""),  # cache-dit's own defaults fit 12 steps: taken (below)
 ])
 def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, parallel, update, problem):
     """Acceleration fields the replicas read at their start (torch.compile, warmup) were taken
@@ -117,6 +127,9 @@ def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, pa
                                                        "parallel": parallel, "acceleration": started},
                        _defaults=defaults, _loras={}, _limits=limits)
     asyncio.run(ingress.reconfigure({"acceleration": update}))
+    if not problem:
+        assert ingress._live.refused is None and ingress._defaults.enable_cache_dit
+        return
     assert problem in ingress._live.refused["error"], ingress._live.refused
     assert ingress._defaults == defaults
     asyncio.run(ingress.reconfigure({"acceleration": {"cfg_gate_step": 0.25, "cache_dit_params": {"Fn_compute_blocks": 2},

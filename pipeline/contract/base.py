@@ -156,28 +156,28 @@ def nothing_cached_problems(params: CacheDiTParams, limits: ServingLimits, steps
             problems.append(f"{where}: Fn_compute_blocks + Bn_compute_blocks = {used} leaves no block to cache of "
                             f"the model's {longest} transformer blocks (at most {longest - 1}: a cached step reuses "
                             f"the blocks between them){unset}")
+    static = params.has_mask and params.scm_policy == "static"
+    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
+        if knobs is not None and knobs.max_continuous_cached_steps == 0 and not static:
+            problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 caches "
+                            "no step, except under a static SCM mask (scm_policy: static)")
     if steps is None:
         return problems
     if steps == 1:
         return [*problems, "num_inference_steps: a run of 1 step leaves Cache-DiT no step to cache (its first step "
-                           "has nothing to reuse); run at least 2, or send enable_cache_dit: false"]
+                           "has nothing to reuse; it needs at least 2)"]
     if params.scm_compute_bins is not None and params.scm_compute_bins[0] >= steps:
         problems.append(f"cache_dit_params.scm_compute_bins: its first bin computes {params.scm_compute_bins[0]} "
-                        f"steps, all {steps} that run, so none would be cached (at most {steps - 1})")
-    static = params.has_mask and params.scm_policy == "static"
+                        f"steps, covering all {steps} that run, so none would be cached (at most {steps - 1})")
     for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-        if knobs is None:
-            continue
-        warmup = knobs.max_warmup_steps
-        if not params.has_mask and (warmup is not None or knobs is params) and (warmup or 0) <= steps:
-            if (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
-                given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
-                problems.append(f"{where}.max_warmup_steps ({given}) must be below the {steps} steps that run (at most "
-                                f"{steps - 1}): warmup steps are never cached, so none would be (an SCM mask, "
-                                "scm_preset, shortens the warmup)")
-        if knobs.max_continuous_cached_steps == 0 and not static:
-            problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 caches "
-                            "no step, except under a static SCM mask (scm_policy: static)")
+        warmup = None if knobs is None else knobs.max_warmup_steps
+        if knobs is None or params.has_mask or (warmup is None and knobs is not params) or (warmup or 0) > steps:
+            continue  # a mask shortens the warmup; a warmup past the steps is cache_dit_problems'
+        if (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
+            given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
+            problems.append(f"{where}.max_warmup_steps ({given}) must be below the {steps} steps that run (at most "
+                            f"{steps - 1}): warmup steps are never cached, so none would be (an SCM mask, "
+                            "scm_preset, shortens the warmup)")
     return problems
 
 
