@@ -236,8 +236,9 @@ class Ingress:
         next request. A dict of acceleration fields alone is accepted too (the older form). Both
         get the checks of the config file (``AccelerationConfig``, the default kernel on this
         model's device, dtype and ring degree, ``lora_registry``: ``ingress_update``), and, once
-        the model is known, the default Cache-DiT knobs against its blocks (each request's
-        steps are checked as it comes, ``check_cache_dit``); an update that fails them is
+        the model is known, the default Cache-DiT knobs against its blocks, and against
+        ``limits.default_steps`` where Cache-DiT is on by default (each request's steps are
+        checked as it comes, ``check_cache_dit``); an update that fails them is
         refused and the settings in force stay (``deployments.live_config``; at start it raises
         ``ValueError``). An acceleration field the update leaves out keeps ``args``' value."""
         await self._live.apply(user_config, self._apply_user_config)

@@ -146,9 +146,10 @@ def nothing_cached_problems(params: CacheDiTParams, limits: ServingLimits, steps
     computing every step, a warmup (cache-dit's 8 when unset) covering every step without an SCM
     mask (a mask shortens it to its first computed steps), ``max_continuous_cached_steps`` 0 but
     under a static mask (which caches whatever that limit says; cache-dit's
-    ``cache_manager.can_cache`` and ``cache_context.warmup_steps``). Checked only where Cache-DiT
-    runs: a request that turns it off may keep its knobs. A boundary-expert model's experts each
-    run a share of the steps, which is not known here: they are checked against all of them."""
+    ``cache_manager.can_cache`` and ``cache_context.warmup_steps``). A request's knobs are checked
+    only where Cache-DiT runs (one that turns it off may keep them); the server's default knobs
+    wherever a request may turn it on (the Ingress). A boundary-expert model's experts each run a
+    share of the steps, which is not known here: they are checked against all of them."""
     problems = []
     longest = limits.longest_block_list or limits.num_blocks
     for where, used, unset in _blocks_used(params) if limits.num_blocks else ():
