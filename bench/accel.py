@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pipeline.cache_dit_params import CacheDiTParams  # noqa: E402
+from pipeline.contract.base import cache_dit_problems, nothing_cached_problems  # noqa: E402
 from pipeline.contract.images import validate_image_request  # noqa: E402
 from pipeline.contract.limits import ServingLimits  # noqa: E402
 from pipeline.contract.videos import validate_video_request  # noqa: E402
@@ -253,8 +254,9 @@ def family_rows(ns, model: str) -> None:
     cfg_name = "true CFG 4.0" if true_cfg else "CFG 4.0"
     # cache-dit's defaults compute Fn=8 blocks every step: on a model with fewer blocks (the
     # 4-block tiny-qwen-image-edit), or with none left to cache, they are a 400, so there the SCM
-    # rows compute Fn=1 and the row of DBCache's defaults is left out
-    few = facts.num_blocks < 8 or max(facts.num_blocks, facts.longest_block_list) <= 8
+    # rows compute Fn=1 and the row of DBCache's defaults is left out (the server's own rule)
+    defaults = CacheDiTParams()
+    few = bool(cache_dit_problems(defaults, limits, None) + nothing_cached_problems(defaults, limits, None))
     fn = {"Fn_compute_blocks": 1} if few else {}
     suffix = ", Fn=1" if few else ""
     if few:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from parallel.kernels import kernel_names
-from pipeline.cache_dit_params import DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS, CacheDiTParams
+from pipeline.cache_dit_params import DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS, CacheDiTKnobs, CacheDiTParams
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import did_you_mean, shown, text_problem
@@ -81,9 +81,9 @@ def step_problems(params: CacheDiTParams, limits: ServingLimits, steps: int) -> 
     """What in ``cache_dit_params`` does not fit a run of ``steps`` denoising steps (warmup and
     continuous-cache bounds, SCM bins and presets): one message per problem."""
     problems: list[str] = []
-    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
+    for where, knobs in _knob_sets(params):
         for knob in ("max_warmup_steps", "max_continuous_cached_steps"):
-            value = getattr(knobs, knob, None) if knobs is not None else None
+            value = getattr(knobs, knob)
             if value is not None and value > steps:
                 problems.append(f"{where}.{knob} must be at most num_inference_steps ({steps}), got {value}")
     if params.scm_compute_bins is not None:
@@ -126,6 +126,12 @@ def cache_dit_problems(params: CacheDiTParams, limits: ServingLimits, steps: int
     return problems
 
 
+def _knob_sets(params: CacheDiTParams) -> list[tuple[str, CacheDiTKnobs]]:
+    """(field path, knobs) of the primary transformer and, where given, of ``secondary``."""
+    return [(where, knobs) for where, knobs in (("cache_dit_params", params),
+                                                ("cache_dit_params.secondary", params.secondary)) if knobs is not None]
+
+
 def _blocks_used(params: CacheDiTParams) -> list[tuple[str, int, str]]:
     """(field path, Fn + Bn, a note when Fn is cache-dit's default) per transformer the knobs set."""
     used = []
@@ -158,8 +164,8 @@ def nothing_cached_problems(params: CacheDiTParams, limits: ServingLimits, steps
                             f"the model's {longest} transformer blocks (at most {longest - 1}: a cached step reuses "
                             f"the blocks between them){unset}")
     static = params.has_mask and params.scm_policy == "static"
-    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-        if knobs is not None and knobs.max_continuous_cached_steps == 0 and not static:
+    for where, knobs in _knob_sets(params):
+        if knobs.max_continuous_cached_steps == 0 and not static:
             problems.append(f"{where}.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0: 0 caches "
                             "no step, except under a static SCM mask (scm_policy: static)")
     if steps is None:
@@ -170,9 +176,9 @@ def nothing_cached_problems(params: CacheDiTParams, limits: ServingLimits, steps
     if params.scm_compute_bins is not None and params.scm_compute_bins[0] >= steps:
         problems.append(f"cache_dit_params.scm_compute_bins: its first bin computes {params.scm_compute_bins[0]} "
                         f"steps, covering all {steps} that run, so none would be cached (at most {steps - 1})")
-    for where, knobs in (("cache_dit_params", params), ("cache_dit_params.secondary", params.secondary)):
-        warmup = None if knobs is None else knobs.max_warmup_steps
-        if knobs is None or params.has_mask or (warmup is None and knobs is not params) or (warmup or 0) > steps:
+    for where, knobs in _knob_sets(params):
+        warmup = knobs.max_warmup_steps
+        if params.has_mask or (warmup is None and knobs is not params) or (warmup or 0) > steps:
             continue  # a mask shortens the warmup; a warmup past the steps is cache_dit_problems'
         if (DEFAULT_MAX_WARMUP_STEPS if warmup is None else warmup) >= steps:
             given = f"unset: cache-dit's {DEFAULT_MAX_WARMUP_STEPS}" if warmup is None else str(warmup)
