@@ -493,7 +493,7 @@ class BatchRunner:
         head = batch.requests[0]
         t0 = time.perf_counter()
         media = [None if samples is None else
-                 [encode_mp4(v, head.fps) if video else encode_image(v, p.output_format, p.output_compression)
+                 [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
                   for v in samples]
                  for p, samples in zip(batch.requests, out.images, strict=True)]
         thumbnails = [None if samples is None or not video else [encode_image(v[0], THUMBNAIL_FORMAT, 90)

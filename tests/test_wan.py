@@ -285,3 +285,17 @@ def test_a_size_or_length_past_wans_position_table_is_refused_before_the_batch(w
         assert err.value.param == field and ("at most 4096 pixels" in str(err.value)
                                              or "at most 1021 frames" in str(err.value)), str(err.value)
     validate_video_request({"prompt": "a ball", "size": "16x4096", "num_frames": 1021}, limits)
+
+
+def test_each_video_of_a_batch_keeps_its_own_fps(wan):
+    """``fps`` is not in the signature (only the MP4 container's rate): a batch of two videos
+    at 8 and 24 fps encodes each at its own (the batch's first request's was used for all)."""
+    from pipeline.media import decode_mp4
+    from pipeline.runner import BatchRunner
+    from pipeline.signature import BatchSignature
+
+    slow, fast = (dataclasses.replace(params(wan, "a yellow ring", 3 + i, num_inference_steps=2, fps=fps),
+                                      request_id=f"fps{fps}") for i, fps in enumerate((8, 24)))
+    assert BatchSignature.of(slow) == BatchSignature.of(fast)
+    outputs = BatchRunner("tiny-wan").run(batch_of(slow, fast))
+    assert [decode_mp4(out.videos[0])[1] for out in outputs] == [8.0, 24.0]
