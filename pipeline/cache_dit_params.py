@@ -31,6 +31,11 @@ MAX_THRESHOLD = 1e6  # residual_diff_threshold is a relative L1 difference (typi
 # validation counts with: its Fn must fit the blocks, its warmup must leave steps to cache
 DEFAULT_FN_COMPUTE_BLOCKS = 8
 DEFAULT_MAX_WARMUP_STEPS = 8
+# What every unset knob runs as: cache-dit's ``DBCacheConfig`` and ``TaylorSeerCalibratorConfig``
+# defaults (tests/test_accel.py checks them against the installed cache-dit); TaylorSeer off
+KNOB_DEFAULTS = {"Fn_compute_blocks": DEFAULT_FN_COMPUTE_BLOCKS, "Bn_compute_blocks": 0,
+                 "max_warmup_steps": DEFAULT_MAX_WARMUP_STEPS, "residual_diff_threshold": 0.08,
+                 "max_continuous_cached_steps": -1, "enable_taylorseer": False, "taylorseer_order": 1}
 
 SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra")
 SCM_POLICIES = ("dynamic", "static")
@@ -79,6 +84,15 @@ class CacheDiTKnobs(BaseModel):
         return {name: getattr(self, name) for name in CacheDiTKnobs.model_fields if getattr(self, name) is not None}
 
 
+def _runs_as(knobs: dict) -> dict:
+    """Every knob as it runs (``KNOB_DEFAULTS`` under ``knobs``); ``taylorseer_order`` at its
+    default without TaylorSeer, which ignores it."""
+    full = {**KNOB_DEFAULTS, **knobs}
+    if not full["enable_taylorseer"]:
+        full["taylorseer_order"] = KNOB_DEFAULTS["taylorseer_order"]
+    return full
+
+
 class CacheDiTParams(CacheDiTKnobs):
     """The whole ``cache_dit_params`` object of a request.
 
@@ -109,12 +123,32 @@ class CacheDiTParams(CacheDiTKnobs):
         return self.scm_compute_bins is not None or self.scm_preset not in (None, "none")
 
     def for_transformer(self, name: str) -> "CacheDiTParams":
-        """The override of transformer ``name``: this one without ``secondary`` for
-        ``transformer``; for ``transformer_2`` the ``secondary`` knobs over this one's."""
+        """The override of transformer ``name`` (:meth:`canonical`): this one without ``secondary``
+        for ``transformer``; for ``transformer_2`` the ``secondary`` knobs over this one's."""
         update = {"secondary": None}
         if name != "transformer" and self.secondary is not None:
             update.update(self.secondary.set_knobs())
-        return self.model_copy(update=update)
+        return self.model_copy(update=update).canonical()
+
+    def canonical(self) -> "CacheDiTParams":
+        """This override with what cache-dit would run anyway left unset, so that overrides that
+        run the same are equal (one batch signature, one mounted context): knobs equal to
+        cache-dit's defaults (``KNOB_DEFAULTS``), ``taylorseer_order`` without TaylorSeer,
+        ``scm_preset: none``, ``scm_policy`` ``dynamic`` or without a mask, and ``secondary``
+        knobs equal to what the primary's give ``transformer_2``. cache-dit reads its config by
+        value (a warmup of 8 given or defaulted is the same), so the result runs the same."""
+        first = _runs_as(self.set_knobs())
+        primary = {k: v for k, v in first.items() if v != KNOB_DEFAULTS[k]}
+        secondary = None
+        if self.secondary is not None:
+            second = _runs_as({**self.set_knobs(), **self.secondary.set_knobs()})  # the primary's as given
+            ignored = set() if second["enable_taylorseer"] else {"taylorseer_order"}
+            secondary = {k: v for k, v in second.items() if v != first[k] and k not in ignored} or None
+        policy = self.scm_policy if self.has_mask and self.scm_policy != "dynamic" else None
+        return CacheDiTParams.model_validate({
+            **{k: None for k in CacheDiTKnobs.model_fields}, **primary, "secondary": secondary,
+            "scm_preset": None if self.scm_preset == "none" else self.scm_preset,
+            "scm_compute_bins": self.scm_compute_bins, "scm_cache_bins": self.scm_cache_bins, "scm_policy": policy})
 
     def describe(self) -> str:
         """Compact text for signatures and logs: the keys that are set, e.g. ``{Fn_compute_blocks: 1}``."""

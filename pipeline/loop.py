@@ -26,7 +26,6 @@ used by xDiT and vLLM-Omni; g = 1 runs every step exactly as without gating.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 
 from pipeline.errors import BatchCancelled
 from pipeline.modes import DualMode, InputMode
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import SamplingParams, cfg_gate_at
 
 PRIMARY, SECONDARY = "transformer", "transformer_2"
 
@@ -104,9 +103,7 @@ def step_plan(timesteps, head: SamplingParams, dual_mode: DualMode, boundary_rat
 
 def gate_step(head: SamplingParams, num_steps: int) -> int:
     """Index of the first step whose guiding forward CFG gating skips (``num_steps``: none)."""
-    if head.cfg_gate_fraction >= 1.0:
-        return num_steps
-    return max(1, math.floor(head.cfg_gate_fraction * num_steps))
+    return cfg_gate_at(head.cfg_gate_fraction, num_steps)
 
 
 def steps_per_transformer(plan: list[StepPlan], gate_at: int) -> dict[str, list[int]]:

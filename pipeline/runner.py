@@ -500,11 +500,14 @@ class BatchRunner:
                                                                  for v in samples]
                       for samples in out.images]
         encode_ms = (time.perf_counter() - t0) * 1e3
-        acceleration = self._report(head, out)
+        report = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
         failures, dropped = out.failures or {}, out.dropped or {}
         outputs = []
         for i, (p, items) in enumerate(zip(batch.requests, media, strict=True)):
+            # its own cfg_gate_step: batch-mates' fractions may differ where they gate at one step
+            acceleration = report.model_copy(update={"cfg_gate": CfgGateReport(
+                gate_step=p.cfg_gate_fraction, reused_steps=out.cfg_reused_steps)})
             if i in dropped:
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration,
                                              dropped_at_step=dropped[i]))
@@ -521,6 +524,7 @@ class BatchRunner:
         return outputs
 
     def _report(self, head: SamplingParams, out: LoopOutput) -> AccelerationReport:
+        """The batch's acceleration report (``cfg_gate`` left to each request: ``_outputs``)."""
         cached = {name: executor.cached_steps() for name, executor in self.cache.items()}
         transitions = self.last_transitions
         main = transitions.get("transformer", CacheTransition.NONE)
@@ -537,8 +541,6 @@ class BatchRunner:
                                cached_steps=cached["transformer"], computed_steps=out.steps - cached["transformer"],
                                transformers=per_transformer)
         return AccelerationReport(cache_dit=cache, attention_backend=self.state.attention_backend or "default",
-                                  cfg_gate=CfgGateReport(gate_step=head.cfg_gate_fraction,
-                                                         reused_steps=out.cfg_reused_steps),
                                   transformer_calls=out.calls or {},
                                   lora=LoraReport(active=[f"{s.name}:{s.scale:g}" for s in head.lora],
                                                   loads=self.last_lora_loads))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class SamplingParams:
     boundary models). ``embedded_guidance_scale``: FLUX.1-dev's distilled guidance input (the
     request's ``guidance_scale``; None for models without a guidance embedding).
     ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
-    defaults), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
+    defaults; ``CacheDiTParams.canonical``), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
     name (empty: the base model). Image inputs: ``input_mode`` (:class:`InputMode`),
     ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the
@@ -106,6 +107,22 @@ class SamplingParams:
         """Whether a guiding forward runs (before any CFG gate)."""
         return self.guidance_mode != GuidanceMode.NONE
 
+    @property
+    def cfg_gate(self) -> int | None:
+        """The step (0-based, of the :attr:`effective_steps` that run) from which CFG gating reuses
+        the guiding delta; None when it reuses none: ``cfg_gate_fraction`` 1, an unguided request,
+        or a 1-step run. What the batch runs, so fractions with one gate (0.1 and 0.2 of 6 steps:
+        step 1) share a batch."""
+        steps = self.effective_steps
+        at = cfg_gate_at(self.cfg_gate_fraction, steps)
+        return at if self.guided and at < steps else None
+
+
+def cfg_gate_at(fraction: float, steps: int) -> int:
+    """Index of the first of ``steps`` whose guiding forward CFG gating skips:
+    ``max(1, floor(fraction · steps))`` for ``fraction`` < 1, ``steps`` (none) for 1."""
+    return steps if fraction >= 1.0 else max(1, math.floor(fraction * steps))
+
 
 def _size(request, limits: ServingLimits) -> tuple[int, int]:
     """(width, height) in pixels: the request's ``size`` or the server default."""
@@ -123,7 +140,7 @@ def _acceleration(request, defaults: AccelerationDefaults) -> dict:
         enable_cache_dit = True
     params = None
     if enable_cache_dit:
-        params = request.cache_dit_params or defaults.cache_dit_params or CacheDiTParams()
+        params = (request.cache_dit_params or defaults.cache_dit_params or CacheDiTParams()).canonical()
     return {"enable_cache_dit": enable_cache_dit, "cache_dit_params": params,
             "cfg_gate_fraction": (request.cfg_gate_step if request.cfg_gate_step is not None
                                   else defaults.cfg_gate_fraction),

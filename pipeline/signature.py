@@ -2,12 +2,16 @@
 
 Two requests share a batch only if every resolved setting that changes how the batch
 executes is equal. The table below decides, field by field, what is in the key; a test
-fails when SamplingParams gains a field that is not in the table.
+fails when SamplingParams gains a field that is not in the table. A field whose different
+values can run the same is keyed by what it makes the batch run (``SIGNATURE_KEYS``), so
+such requests share a batch; Cache-DiT knobs equal to cache-dit's defaults are dropped
+before (``CacheDiTParams.canonical``, at resolve).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from pipeline.modes import GuidanceMode, InputMode
@@ -50,6 +54,15 @@ SIGNATURE_TABLE: dict[str, bool] = {
 }
 SIGNATURE_FIELDS = tuple(name for name, inside in SIGNATURE_TABLE.items() if inside)
 
+# Signature fields keyed by what they make the batch run instead of their value
+SIGNATURE_KEYS: dict[str, Callable[[SamplingParams], object]] = {
+    # the step gating starts at (None: no gating): 0.1 and 0.2 of 6 steps, or any fraction of an
+    # unguided request, run alike
+    "cfg_gate_fraction": lambda p: p.cfg_gate,
+    # the steps that run (diffusers' int(N − N·strength) skipped): 0.6 and 0.65 of 8 steps both run 5
+    "strength": lambda p: None if p.strength is None else p.effective_steps,
+}
+
 
 @dataclass(frozen=True)
 class BatchSignature:
@@ -59,7 +72,8 @@ class BatchSignature:
 
     @classmethod
     def of(cls, params: SamplingParams) -> "BatchSignature":
-        return cls(tuple(getattr(params, name) for name in SIGNATURE_FIELDS))
+        return cls(tuple(SIGNATURE_KEYS[name](params) if name in SIGNATURE_KEYS else getattr(params, name)
+                         for name in SIGNATURE_FIELDS))
 
     def as_dict(self) -> dict:
         return dict(zip(SIGNATURE_FIELDS, self.values, strict=True))
@@ -71,8 +85,10 @@ class BatchSignature:
 
     def __str__(self) -> str:
         """The signature in the request fields' own names, e.g. ``tiny-flux 64x64 steps=16
-        guidance_scale=3.5 cache_dit=off cfg_gate_step=1.0 attn=default [digest]`` (with
-        ``true_cfg_scale=4.0`` after the guidance where true CFG runs)."""
+        guidance_scale=3.5 cache_dit=off cfg_gate_step=off attn=default [digest]`` (with
+        ``true_cfg_scale=4.0`` after the guidance where true CFG runs). A gate and an edit's
+        strength read as the steps they give of those that run: ``cfg_gate_step=3/6`` (the
+        guiding forward runs 3 of 6 steps), ``image_to_image strength=5/8`` (5 of 8 steps run)."""
         d = self.as_dict()
         frames = f"x{d['num_frames']}f" if d["num_frames"] > 1 else ""
         guidance = [] if d["embedded_guidance_scale"] is None else [f"guidance_scale={d['embedded_guidance_scale']}"]
@@ -89,13 +105,15 @@ class BatchSignature:
             guidance.append(f"guidance_scale_2={d['cfg_scale_2']}")
         if d["boundary_ratio"] is not None:
             guidance.append(f"boundary_ratio={d['boundary_ratio']}")
+        runs = d["num_inference_steps"] if d["strength"] is None else d["strength"]
         cache = "off" if not d["enable_cache_dit"] else f"on{d['cache_dit_params'].describe()}"
         lora = "".join(f" lora={s.name}:{s.scale:g}" for s in d["lora"])
         if d["input_mode"] != InputMode.TEXT:
-            strength = "" if d["strength"] is None else f" strength={d['strength']:g}"
+            strength = "" if d["strength"] is None else f" strength={d['strength']}/{d['num_inference_steps']}"
             lora += f" {d['input_mode']}{strength}"
+        gate = "off" if d["cfg_gate_fraction"] is None else f"{d['cfg_gate_fraction']}/{runs}"
         return (f"{d['model']}{lora} {d['width']}x{d['height']}{frames} steps={d['num_inference_steps']} "
-                f"{' '.join(guidance)} cache_dit={cache} cfg_gate_step={d['cfg_gate_fraction']} "
+                f"{' '.join(guidance)} cache_dit={cache} cfg_gate_step={gate} "
                 f"attn={d['attention_backend'] or 'default'} [{self.digest}]")
 
 

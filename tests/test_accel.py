@@ -380,3 +380,20 @@ def test_what_validation_lets_through_as_cacheable_caches(runner):
                    "residual_diff_threshold": 1e5}):
         out = run(runner, {**BASE, "num_inference_steps": 8, "enable_cache_dit": True, "cache_dit_params": knobs})[0]
         assert out.acceleration.cache_dit.cached_steps > 0 and out.images != exact.images, knobs
+
+
+def test_knob_defaults_are_the_installed_cache_dits():
+    """Validation (``DEFAULT_FN_COMPUTE_BLOCKS``, ``DEFAULT_MAX_WARMUP_STEPS``) and the canonical
+    override (``KNOB_DEFAULTS``: knobs equal to them are dropped) count on cache-dit's defaults."""
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    from pipeline.cache_dit_params import DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS, KNOB_DEFAULTS
+
+    installed = {f.name: f.default for f in dataclasses.fields(DBCacheConfig)}
+    installed["taylorseer_order"] = next(f.default for f in dataclasses.fields(TaylorSeerCalibratorConfig)
+                                         if f.name == "taylorseer_order")
+    assert {k: v for k, v in KNOB_DEFAULTS.items() if k != "enable_taylorseer"} == \
+        {k: installed[k] for k in KNOB_DEFAULTS if k != "enable_taylorseer"}
+    assert KNOB_DEFAULTS["enable_taylorseer"] is False  # ours: no calibrator unless asked
+    assert (DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS) == (installed["Fn_compute_blocks"],
+                                                                     installed["max_warmup_steps"])

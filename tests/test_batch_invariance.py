@@ -88,3 +88,32 @@ def test_cache_dit_decides_for_the_whole_batch():
     assert runner.run(batch_of(exact))[0].images == before
     assert any(not np.array_equal(pixels(a.images[0]), pixels(t.images[0]))
                for a, t in zip(alone, together, strict=True))  # what its batch-mates decided
+
+
+def test_values_that_run_alike_batch_together_each_as_alone():
+    """Requests whose signatures are equal only by what they run (cfg_gate_step 0.1 and 0.2 of
+    6 steps; strength 0.6 and 0.55 of 8) share a batch, and each gets the image it gets alone,
+    with its own ``cfg_gate_step`` reported."""
+    import dataclasses
+
+    from pipeline.modes import InputMode
+    from pipeline.runner import BatchRunner
+    from pipeline.signature import BatchSignature
+    from pipeline.wire import ImageArray
+    from tests.helpers import batch_of, pixels
+
+    runner = BatchRunner("tiny-flux")
+    gated = [dataclasses.replace(params(f"shape {g}", i + 1, negative="blurry", true_cfg_scale=4.0),
+                                 cfg_gate_fraction=g) for i, g in enumerate((0.1, 0.2))]
+    image = ImageArray(64, 48, 3, np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8).tobytes())
+    edits = [params("a blue square", 5 + i, steps=8, input_mode=InputMode.IMAGE_TO_IMAGE, strength=s,
+                    num_input_images=1, images=(image,)) for i, s in enumerate((0.6, 0.55))]
+    for pair in (gated, edits):
+        pair = [dataclasses.replace(p, request_id=f"{p.request_id}-{i}") for i, p in enumerate(pair)]
+        assert BatchSignature.of(pair[0]) == BatchSignature.of(pair[1])
+        together = runner.run(batch_of(*pair))
+        for p, out in zip(pair, together, strict=True):
+            alone = runner.run(batch_of(p))[0]
+            assert np.abs(pixels(out.images[0]) - pixels(alone.images[0])).max() <= 1  # the pre-rounding tolerance
+            assert out.acceleration.cfg_gate.gate_step == p.cfg_gate_fraction
+            assert out.acceleration.cfg_gate.reused_steps == (5 if p.guided else 0)  # gated after step 1 of 6

@@ -351,3 +351,60 @@ def test_openai_sdk_values_the_contract_takes():
     plain = resolve(validate_image_request({"prompt": "a"}, LIMITS), LIMITS, AccelerationDefaults())
     assert (auto.width, auto.height) == (plain.width, plain.height) == (LIMITS.default_width, LIMITS.default_height)
     assert validate_image_request({"prompt": "a", "safety_identifier": "s1", "user": "u1"}, LIMITS).safety_identifier == "s1"
+
+
+def test_values_that_run_alike_share_a_signature():
+    """A field is keyed by what it makes the batch run (helper-51: cfg_gate_step 0.1 and 0.2 of
+    6 steps gate at one step, yet never shared a batch): the gate's step (none for an unguided
+    request or a 1-step run), the steps an edit's strength runs, Cache-DiT knobs left at or
+    set to cache-dit's defaults."""
+    def sig(**fields):
+        return BatchSignature.of(resolve(validate_image_request({"prompt": "a", **fields}, LIMITS), LIMITS))
+
+    guided = {"negative_prompt": "", "true_cfg_scale": 4.0, "num_inference_steps": 6}
+    assert sig(**guided, cfg_gate_step=0.1) == sig(**guided, cfg_gate_step=0.2) != sig(**guided)
+    assert sig(**guided, cfg_gate_step=0.2) != sig(**guided, cfg_gate_step=0.5)
+    assert "cfg_gate_step=1/6 " in str(sig(**guided, cfg_gate_step=0.2))  # the guide runs 1 of the 6 steps
+    assert "cfg_gate_step=3/6 " in str(sig(**guided, cfg_gate_step=0.5))
+    assert sig(cfg_gate_step=0.3) == sig(cfg_gate_step=1.0) == sig()  # unguided: nothing to gate
+    assert "cfg_gate_step=off " in str(sig())
+    one = {**guided, "num_inference_steps": 1}
+    assert sig(**one, cfg_gate_step=0.5) == sig(**one)  # the gate would be past the only step
+    on = {"enable_cache_dit": True}
+    assert sig(**on) == sig(**on, cache_dit_params={"Fn_compute_blocks": 8, "Bn_compute_blocks": 0}) \
+        == sig(**on, cache_dit_params={"scm_preset": "none", "scm_policy": "static", "taylorseer_order": 3}) \
+        == sig(**on, cache_dit_params={"max_warmup_steps": 8, "residual_diff_threshold": 0.08,
+                                      "max_continuous_cached_steps": -1, "enable_taylorseer": False})
+    assert sig(**on) != sig(**on, cache_dit_params={"Fn_compute_blocks": 4})
+    assert "cache_dit=on{} " in str(sig(**on, cache_dit_params={"Fn_compute_blocks": 8}))
+    assert sig(**on, cache_dit_params={"enable_taylorseer": True}) == \
+        sig(**on, cache_dit_params={"enable_taylorseer": True, "taylorseer_order": 1})
+
+
+def test_canonical_cache_dit_params_run_the_same_on_each_transformer():
+    """``CacheDiTParams.canonical`` keeps what each transformer runs: a ``secondary`` knob equal
+    to the primary's is dropped, one that overrides the primary with cache-dit's default is
+    kept, and an order the primary gave for a ``secondary`` that turns TaylorSeer on moves there."""
+    from pipeline.cache_dit_params import KNOB_DEFAULTS, CacheDiTParams
+
+    def runs(params: CacheDiTParams, name: str) -> dict:
+        full = {**KNOB_DEFAULTS, **params.for_transformer(name).set_knobs()}
+        return full if full["enable_taylorseer"] else {**full, "taylorseer_order": None}
+
+    cases = [{"Fn_compute_blocks": 1, "secondary": {"Fn_compute_blocks": 1}},
+             {"Fn_compute_blocks": 1, "secondary": {"Fn_compute_blocks": 8}},
+             {"enable_taylorseer": False, "taylorseer_order": 3, "secondary": {"enable_taylorseer": True}},
+             {"enable_taylorseer": True, "taylorseer_order": 3, "secondary": {"enable_taylorseer": False}},
+             {"max_warmup_steps": 2, "scm_preset": "fast", "scm_policy": "dynamic"},
+             {"scm_compute_bins": [2, 2], "scm_cache_bins": [2, 2], "scm_policy": "static"}]
+    for case in cases:
+        given = CacheDiTParams.model_validate(case)
+        canonical = given.canonical()
+        assert canonical.canonical() == canonical
+        for name in ("transformer", "transformer_2"):
+            assert runs(canonical, name) == runs(given, name), (case, name)
+        assert canonical.has_mask == given.has_mask and canonical.scm_preset in (None, given.scm_preset)
+        assert (canonical.scm_policy or "dynamic") == (given.scm_policy or "dynamic")
+    assert CacheDiTParams.model_validate(cases[0]).canonical() == CacheDiTParams(Fn_compute_blocks=1)
+    assert CacheDiTParams.model_validate(cases[1]).canonical().secondary.Fn_compute_blocks == 8
+

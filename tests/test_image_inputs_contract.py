@@ -67,7 +67,17 @@ def test_an_edit_resolves_to_image_to_image_or_inpainting_with_decoded_arrays():
     # the mode and strength are in the signature; the images are not
     a, b = edit({"image": picture(color=(0, 0, 0))}), edit({"image": picture(color=(255, 255, 255))})
     assert BatchSignature.of(a) == BatchSignature.of(b) != BatchSignature.of(q)
-    assert "image_to_image strength=0.6" in str(BatchSignature.of(a))
+    assert "image_to_image strength=5/8 " in str(BatchSignature.of(a))  # 0.6 of 8 steps runs 5
+
+
+def test_strengths_that_run_the_same_steps_share_a_signature():
+    """An edit's ``strength`` is keyed by the steps it runs (diffusers skips int(N − N·strength))."""
+    def sig(strength, steps=8):
+        return BatchSignature.of(edit({"image": picture(), "strength": strength, "num_inference_steps": steps}))
+
+    assert sig(0.6) == sig(0.55) != sig(0.5)  # int(8 − 4.8) = int(8 − 4.4) = 3 skipped: 5 of 8 run; 0.5: 4
+    assert sig(1.0) == sig(0.95) != sig(1.0, steps=7)
+    assert "image_to_image strength=4/8 " in str(sig(0.5))
 
 
 def test_output_size_follows_size_or_the_image():

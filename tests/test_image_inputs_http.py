@@ -54,14 +54,14 @@ def test_openai_sdk_edits_image_to_image_and_inpainting(url):
     response = client.images.edit(image=("in.png", RED_CIRCLE), prompt="a blue square on a yellow background",
                                   extra_body={"seed": 1, "strength": 0.7})
     meta = response.model_extra["ditserve"]
-    assert "image_to_image strength=0.7" in meta["signature"]
+    assert "image_to_image strength=12/16 " in meta["signature"]  # 0.7 of 16 steps runs 12
     out = pixels(response.data[0].b64_json)
     assert out.shape == (64, 64, 3)  # the image's own size (no size given)
     assert distance_to_blue(out) < 0.6 * distance_to_blue(np.asarray(Image.open(io.BytesIO(RED_CIRCLE))))
     inpaint = client.images.edit(image=("in.png", RED_CIRCLE), mask=("mask.png", right_half_mask()),
                                  prompt="a blue square on a yellow background", size="64x64", n=2,
                                  extra_body={"seed": 2, "num_inference_steps": 8})
-    assert len(inpaint.data) == 2 and "inpaint strength=1" in inpaint.model_extra["ditserve"]["signature"]
+    assert len(inpaint.data) == 2 and "inpaint strength=8/8 " in inpaint.model_extra["ditserve"]["signature"]
     # several files as image[] (what the SDK sends for a list): this model takes one
     from openai import BadRequestError
 

@@ -212,7 +212,7 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         assert serve.status().applications["ditserve"].status == "RUNNING"
         assert set(stats(url)["replicas"]) == before
         plain = post(url, {"prompt": "a red circle", "seed": 1, **FAST})  # the defaults in force: no override
-        assert plain.status_code == 200 and "cfg_gate_step=1.0" in plain.json()["ditserve"]["signature"]
+        assert plain.status_code == 200 and "cfg_gate_step=off" in plain.json()["ditserve"]["signature"]
         assert stats(url)["max_batch_size"] == args.get("batching", {}).get("max_batch_size", 8)
         assert post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "late"}]}).status_code == 200
         assert post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]}).status_code == 404
