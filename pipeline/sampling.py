@@ -56,7 +56,7 @@ class SamplingParams:
     boundary models). ``embedded_guidance_scale``: FLUX.1-dev's distilled guidance input (the
     request's ``guidance_scale``; None for models without a guidance embedding).
     ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
-    defaults; ``CacheDiTParams.canonical``), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
+    defaults; made canonical by :func:`check_cache_dit`), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
     name (empty: the base model). Image inputs: ``input_mode`` (:class:`InputMode`),
     ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the
@@ -140,7 +140,7 @@ def _acceleration(request, defaults: AccelerationDefaults) -> dict:
         enable_cache_dit = True
     params = None
     if enable_cache_dit:
-        params = (request.cache_dit_params or defaults.cache_dit_params or CacheDiTParams()).canonical()
+        params = request.cache_dit_params or defaults.cache_dit_params or CacheDiTParams()
     return {"enable_cache_dit": enable_cache_dit, "cache_dit_params": params,
             "cfg_gate_fraction": (request.cfg_gate_step if request.cfg_gate_step is not None
                                   else defaults.cfg_gate_fraction),
@@ -184,16 +184,17 @@ def check_cache_dit(params: SamplingParams, request, limits: ServingLimits) -> S
     give (the server's default ``acceleration.cache_dit_params``, or cache-dit's own defaults for
     ``enable_cache_dit`` alone; a request's own were checked with its fields) against the model
     and the steps, and every knob against :func:`nothing_cached_problems` (only here, once it is
-    known that Cache-DiT runs: a request that turns it off may keep its knobs). Raises
-    ``InvalidRequestError`` naming ``cache_dit_params`` (a 400: cache-dit asserted in the batch,
-    a 500; a Cache-DiT that cached nothing said it was active)."""
+    known that Cache-DiT runs: a request that turns it off may keep its knobs). The knobs are
+    checked as given, then made canonical (``CacheDiTParams.canonical``: overrides that run the
+    same share a batch signature). Raises ``InvalidRequestError`` naming ``cache_dit_params`` (a
+    400: cache-dit asserted in the batch, a 500; a Cache-DiT that cached nothing said it was active)."""
     if not params.enable_cache_dit or params.cache_dit_params is None:
         return params
     steps, own = params.effective_steps, request.cache_dit_params is not None
     problems = [*([] if own else cache_dit_problems(params.cache_dit_params, limits, steps)),
                 *nothing_cached_problems(params.cache_dit_params, limits, steps)]
     if not problems:
-        return params
+        return dataclasses.replace(params, cache_dit_params=params.cache_dit_params.canonical())
     problems = [p + strength_runs(params.strength, steps, params.num_inference_steps) for p in problems]
     if own:
         raise InvalidRequestError("; ".join(problems), param="cache_dit_params", code="invalid_value")

@@ -5,7 +5,7 @@ executes is equal. The table below decides, field by field, what is in the key; 
 fails when SamplingParams gains a field that is not in the table. A field whose different
 values can run the same is keyed by what it makes the batch run (``SIGNATURE_KEYS``), so
 such requests share a batch; Cache-DiT knobs equal to cache-dit's defaults are dropped
-before (``CacheDiTParams.canonical``, at resolve).
+before (``CacheDiTParams.canonical``, at resolve: ``pipeline.sampling.check_cache_dit``).
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ SIGNATURE_KEYS: dict[str, Callable[[SamplingParams], object]] = {
     # the step gating starts at (None: no gating): 0.1 and 0.2 of 6 steps, or any fraction of an
     # unguided request, run alike
     "cfg_gate_fraction": lambda p: p.cfg_gate,
-    # the steps that run (diffusers' int(N − N·strength) skipped): 0.6 and 0.65 of 8 steps both run 5
+    # the steps that run (diffusers' int(N − N·strength) skipped): 0.55 and 0.6 of 8 steps both run 5
     "strength": lambda p: None if p.strength is None else p.effective_steps,
+    # the low-noise expert's guidance scale scales nothing without a guiding forward
+    "cfg_scale_2": lambda p: p.cfg_scale_2 if p.guided else None,
 }
 
 

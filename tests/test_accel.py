@@ -397,3 +397,36 @@ def test_knob_defaults_are_the_installed_cache_dits():
     assert KNOB_DEFAULTS["enable_taylorseer"] is False  # ours: no calibrator unless asked
     assert (DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS) == (installed["Fn_compute_blocks"],
                                                                      installed["max_warmup_steps"])
+
+
+def test_cache_dit_knobs_are_checked_as_given_then_made_canonical():
+    """helper-56: canonicalising before the checks dropped what a request or the server gave
+    (a ``secondary`` knob equal to the primary's went unnamed, so fixing it took two round
+    trips; a given warmup of 8 read "unset"; a server default's ``secondary`` on a
+    one-transformer model passed). The knobs are checked as given, and only a request that
+    passes carries the canonical ones."""
+    from pipeline.errors import InvalidRequestError
+    from pipeline.modes import DualMode
+
+    def message(body, limits=LIMITS, defaults=AccelerationDefaults()) -> str:
+        with pytest.raises(InvalidRequestError) as info:
+            resolve(validate_image_request({**BASE, "num_inference_steps": 8, **body}, limits), limits, defaults)
+        return str(info.value)
+
+    dual = dataclasses.replace(LIMITS, dual_mode=DualMode.BOUNDARY)
+    both = message({"enable_cache_dit": True, "cache_dit_params": {
+        "max_warmup_steps": 2, "max_continuous_cached_steps": 0, "secondary": {"max_continuous_cached_steps": 0}}},
+        dual)
+    assert "cache_dit_params.max_continuous_cached_steps" in both
+    assert "cache_dit_params.secondary.max_continuous_cached_steps" in both
+    given = message({"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 8}})
+    assert "max_warmup_steps (8)" in given and "unset" not in given
+    server = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(max_warmup_steps=8))
+    assert "the server's default acceleration.cache_dit_params" in message({}, defaults=server)
+    secondary = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams.model_validate(
+        {"max_warmup_steps": 2, "secondary": {"max_warmup_steps": 2}}))
+    assert "only for models with two transformers" in message({}, defaults=secondary)
+    passed = resolve(validate_image_request({**BASE, "num_inference_steps": 8, "enable_cache_dit": True,
+                                             "cache_dit_params": {"Fn_compute_blocks": 8, "max_warmup_steps": 2}},
+                                            LIMITS), LIMITS)
+    assert passed.cache_dit_params == CacheDiTParams(max_warmup_steps=2)  # Fn 8 is cache-dit's default

@@ -226,6 +226,16 @@ def test_video_fields_of_the_model_kind():
         validate_video_request({"prompt": "a"}, LIMITS)
 
 
+def test_an_unguided_videos_second_guidance_scale_is_not_in_its_signature():
+    """helper-56: ``guidance_scale_2`` of an unguided request scales no guiding forward."""
+    def sig(**fields):
+        return BatchSignature.of(resolve_video(validate_video_request({"prompt": "a", **fields}, VIDEO), VIDEO))
+
+    assert sig(guidance_scale=1.0, guidance_scale_2=3.0) == sig(guidance_scale=1.0)
+    assert "guidance_scale_2" not in str(sig(guidance_scale=1.0, guidance_scale_2=3.0))
+    assert sig(guidance_scale=4.0, guidance_scale_2=3.0) != sig(guidance_scale=4.0, guidance_scale_2=2.0)
+
+
 def test_video_resolution_and_signature():
     p = resolve_video(validate_video_request({"prompt": "a", "seconds": "2", "seed": 3}, VIDEO), VIDEO)
     assert p.num_frames == 17 and p.fps == 8 and p.n == 1  # 4·round(2·8/4) + 1
