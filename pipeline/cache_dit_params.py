@@ -123,12 +123,13 @@ class CacheDiTParams(CacheDiTKnobs):
         return self.scm_compute_bins is not None or self.scm_preset not in (None, "none")
 
     def for_transformer(self, name: str) -> "CacheDiTParams":
-        """The override of transformer ``name`` (:meth:`canonical`): this one without ``secondary``
-        for ``transformer``; for ``transformer_2`` the ``secondary`` knobs over this one's."""
+        """The override of transformer ``name``: this one without ``secondary`` for
+        ``transformer``; for ``transformer_2`` the ``secondary`` knobs over this one's (knobs as
+        given: validation names them; a mounted context's key takes :meth:`canonical`)."""
         update = {"secondary": None}
         if name != "transformer" and self.secondary is not None:
             update.update(self.secondary.set_knobs())
-        return self.model_copy(update=update).canonical()
+        return self.model_copy(update=update)
 
     def canonical(self) -> "CacheDiTParams":
         """This override with what cache-dit would run anyway left unset, so that overrides that

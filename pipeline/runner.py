@@ -203,7 +203,7 @@ class BatchRunner:
         separate_cfg = {} if self.cfg is not None else schedule.separate_cfg  # CFG parallel: one call per step
         cache = tuple(sorted(
             (name, None if head.cache_dit_params is None
-             else CacheKey(head.cache_dit_params.for_transformer(name), separate_cfg.get(name, False)))
+             else CacheKey(head.cache_dit_params.for_transformer(name).canonical(), separate_cfg.get(name, False)))
             for name, steps in self.cache_steps(schedule).items() if steps))
         compiled = frozenset(self.family.transformers) if self.torch_compile else frozenset()
         return ReplicaState(head.attention_backend or self.default_kernel, cache, compiled, head.lora)

@@ -61,8 +61,9 @@ SIGNATURE_KEYS: dict[str, Callable[[SamplingParams], object]] = {
     "cfg_gate_fraction": lambda p: p.cfg_gate,
     # the steps that run (diffusers' int(N − N·strength) skipped): 0.55 and 0.6 of 8 steps both run 5
     "strength": lambda p: None if p.strength is None else p.effective_steps,
-    # the low-noise expert's guidance scale scales nothing without a guiding forward
-    "cfg_scale_2": lambda p: p.cfg_scale_2 if p.guided else None,
+    # the low-noise expert's guidance scale: none without a guiding forward, the high-noise
+    # expert's when equal (as when unset)
+    "cfg_scale_2": lambda p: p.cfg_scale_2 if p.guided and p.cfg_scale_2 != p.cfg_scale else None,
 }
 
 

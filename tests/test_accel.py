@@ -421,6 +421,13 @@ def test_cache_dit_knobs_are_checked_as_given_then_made_canonical():
     assert "cache_dit_params.secondary.max_continuous_cached_steps" in both
     given = message({"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 8}})
     assert "max_warmup_steps (8)" in given and "unset" not in given
+    given = message({"enable_cache_dit": True, "cache_dit_params": {  # helper-57: Fn 8 read "unset" here too
+        "Fn_compute_blocks": 8, "Bn_compute_blocks": 3, "max_warmup_steps": 2}})
+    assert "= 11 exceeds the model's 10 transformer blocks" in given and "unset" not in given
+    given = message({"enable_cache_dit": True, "cache_dit_params": {
+        "Fn_compute_blocks": 2, "max_warmup_steps": 2, "secondary": {"Fn_compute_blocks": 8, "Bn_compute_blocks": 2}}},
+        dual)
+    assert "cache_dit_params.secondary" in given and "unset" not in given
     server = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams(max_warmup_steps=8))
     assert "the server's default acceleration.cache_dit_params" in message({}, defaults=server)
     secondary = AccelerationDefaults(enable_cache_dit=True, cache_dit_params=CacheDiTParams.model_validate(

@@ -227,13 +227,15 @@ def test_video_fields_of_the_model_kind():
 
 
 def test_an_unguided_videos_second_guidance_scale_is_not_in_its_signature():
-    """helper-56: ``guidance_scale_2`` of an unguided request scales no guiding forward."""
+    """helper-56: ``guidance_scale_2`` of an unguided request scales no guiding forward; one equal
+    to ``guidance_scale`` runs as unset."""
     def sig(**fields):
         return BatchSignature.of(resolve_video(validate_video_request({"prompt": "a", **fields}, VIDEO), VIDEO))
 
     assert sig(guidance_scale=1.0, guidance_scale_2=3.0) == sig(guidance_scale=1.0)
     assert "guidance_scale_2" not in str(sig(guidance_scale=1.0, guidance_scale_2=3.0))
     assert sig(guidance_scale=4.0, guidance_scale_2=3.0) != sig(guidance_scale=4.0, guidance_scale_2=2.0)
+    assert sig(guidance_scale=4.0, guidance_scale_2=4.0) == sig(guidance_scale=4.0)  # helper-57: unset is equal
 
 
 def test_video_resolution_and_signature():
@@ -398,7 +400,7 @@ def test_canonical_cache_dit_params_run_the_same_on_each_transformer():
     from pipeline.cache_dit_params import KNOB_DEFAULTS, CacheDiTParams
 
     def runs(params: CacheDiTParams, name: str) -> dict:
-        full = {**KNOB_DEFAULTS, **params.for_transformer(name).set_knobs()}
+        full = {**KNOB_DEFAULTS, **params.for_transformer(name).canonical().set_knobs()}
         return full if full["enable_taylorseer"] else {**full, "taylorseer_order": None}
 
     cases = [{"Fn_compute_blocks": 1, "secondary": {"Fn_compute_blocks": 1}},
