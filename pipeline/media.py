@@ -32,7 +32,8 @@ def encode_image(image: np.ndarray, output_format: str = "png", output_compressi
 
 def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
     """(F, H, W, 3) float32 in [0, 1] → MP4 bytes: H.264 (libx264, ``crf`` quality, 0 is
-    lossless) in yuv420p at ``fps`` frames per second, one frame per input frame.
+    lossless; MB-tree rate control off, so the same frames always give the same bytes) in
+    yuv420p at ``fps`` frames per second, one frame per input frame.
 
     Raises ``ValueError`` for odd width or height (yuv420p needs even sizes) or no frames.
     """
@@ -47,7 +48,10 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
     with av.open(buf, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=int(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": str(crf)}
+        # MB-tree off: with it, libx264 encoded the same frames to different MP4s from call to
+        # call (frames off by up to 17 levels, depending on the process's heap); without it, the
+        # same frames give the same bytes
+        stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
         for frame in to_uint8(frames):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())

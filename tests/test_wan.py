@@ -299,3 +299,24 @@ def test_each_video_of_a_batch_keeps_its_own_fps(wan):
     assert BatchSignature.of(slow) == BatchSignature.of(fast)
     outputs = BatchRunner("tiny-wan").run(batch_of(slow, fast))
     assert [decode_mp4(out.videos[0])[1] for out in outputs] == [8.0, 24.0]
+
+
+def test_the_same_frames_always_encode_to_the_same_mp4(wan):
+    """helper-55: a Wan video sent twice alone came back with a frame off by 9–14 levels. The
+    frames were equal; libx264's MB-tree rate control made the bytes depend on the process's
+    heap. With it off, encoding the same frames gives the same bytes whatever ran before."""
+    import random
+
+    from pipeline.media import encode_mp4
+
+    frames = denoise_batch(wan, [params(wan, "a red ball rolling", 2, num_frames=5, num_inference_steps=4,
+                                        size="64x64")]).images[0][0]
+    rng = random.Random(0)
+    encoded = set()
+    for _ in range(20):
+        heap = [bytearray(rng.randint(1, 1 << 20)) for _ in range(rng.randint(1, 30))]
+        for block in heap[::2]:
+            block[:] = bytes([rng.randint(0, 255)]) * len(block)
+        del heap[1::3]
+        encoded.add(encode_mp4(frames, 8))
+    assert len(encoded) == 1
