@@ -140,10 +140,12 @@ class RankWorker:
         return self.rank
 
     @ray.method(concurrency_group="batch")
-    def run_batch(self, batch: Batch) -> None:
+    def run_batch(self, batch: Batch) -> list:
+        """``BatchRunner.run`` on this rank: the RequestOutputs on rank 0 (a replica's rank 0 runs
+        in its own process, so the actors' answer is empty), none elsewhere."""
         if rank_exit(self.rank, batch):  # fault injection (deployments.faults): this process dies
             os._exit(1)
-        self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
+        return self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
 
     @ray.method(concurrency_group="batch")
     def denoise(self, batch: Batch):

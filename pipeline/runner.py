@@ -121,6 +121,7 @@ class BatchRunner:
         self.events: deque[tuple] = deque(maxlen=EVENTS_KEPT)  # (batch id, action kind, target), newest last
         self.compiles = 0
         self.run_steps: dict[str, list[int]] = {}  # of the last batch: transformer -> step indices
+        self.guide_cached: dict[str, int] = {}  # of the last batch, under CFG parallelism: group 1's counts
         self.last_transitions: dict[str, CacheTransition] = {}
         self.last_lora_loads = 0  # adapters the last batch loaded from disk
         if attention_backend is not None:
@@ -378,8 +379,9 @@ class BatchRunner:
         if caching:
             gone = None  # same state on every rank: every rank keeps the rows
         dropped: dict[int, int] = {}
+        self.guide_cached = {}
         try:
-            return denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
+            out = denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped if self.cfg is None else None,
                                  decode=self.rank == 0, on_preview=on_preview,
                                  should_stop=stop, rows_gone=gone,
@@ -387,6 +389,12 @@ class BatchRunner:
                                  prepare=initial_latents if self.world_size == 1 else self._shared_latents,
                                  branches=self.cfg, vae_decode=self._parallel_decode if self.parallel_vae else None,
                                  dropped=dropped)
+            guide_only = {s.guide for s in schedule.plan if s.guide} - {s.model for s in schedule.plan}
+            if self.cfg is not None and caching and guide_only:  # the same on every rank
+                self.guide_cached = self.cfg.guide_cached_steps(
+                    {name: self.cache[name].cached_steps() for name in sorted(guide_only)},
+                    torch.device(self.family.device))
+            return out
         except BatchCancelled:
             raise  # contexts are refreshed by the next batch; nothing was left half-mounted
         except Exception as exc:
@@ -525,7 +533,8 @@ class BatchRunner:
 
     def _report(self, head: SamplingParams, out: LoopOutput) -> AccelerationReport:
         """The batch's acceleration report (``cfg_gate`` left to each request: ``_outputs``)."""
-        cached = {name: executor.cached_steps() for name, executor in self.cache.items()}
+        # a guide-only transformer under CFG parallelism ran on group 1 (``parallel.cfg``)
+        cached = {name: self.guide_cached.get(name, executor.cached_steps()) for name, executor in self.cache.items()}
         transitions = self.last_transitions
         main = transitions.get("transformer", CacheTransition.NONE)
         if main == CacheTransition.NONE:
@@ -537,8 +546,11 @@ class BatchRunner:
                                              transition=transitions.get(name, CacheTransition.NONE),
                                              steps=len(self.run_steps.get(name, [])), cached_steps=cached[name])
                 for name in self.cache}
+        # the primary's steps: a boundary expert runs only its side of the schedule (helper-55: 13
+        # "computed" of 16 where the primary computed 2 of its 5)
+        primary_steps = len(self.run_steps["transformer"]) if "transformer" in self.run_steps else out.steps
         cache = CacheDiTReport(active=self.state.cache_key("transformer") is not None, transition=main,
-                               cached_steps=cached["transformer"], computed_steps=out.steps - cached["transformer"],
+                               cached_steps=cached["transformer"], computed_steps=primary_steps - cached["transformer"],
                                transformers=per_transformer)
         return AccelerationReport(cache_dit=cache, attention_backend=self.state.attention_backend or "default",
                                   transformer_calls=out.calls or {},
