@@ -84,11 +84,11 @@ class CfgParallel:
         return pieces
 
     def guide_cached_steps(self, cached: dict[str, int], device) -> dict[str, int]:
-        """Group 1's ``cached`` (transformer name -> Cache-DiT cached steps of the last batch), on
-        both ranks of the pair. A transformer that makes only guiding forwards (paired
-        transformers' ``transformer_2``) runs, and caches, on group 1 alone, so rank 0 reports
-        group 1's count (its own context never ran: helper-55 saw 0 where one rank caches 14).
-        ``device``: where the process group's tensors live (CUDA under NCCL)."""
+        """Group 1's ``cached`` (transformer name -> Cache-DiT cached steps of the last batch, of the
+        steps before the CFG gate), on both ranks of the pair. A transformer that makes only
+        guiding forwards (paired transformers' ``transformer_2``) runs, and caches, on group 1
+        alone, so rank 0 reports group 1's count (its own context never ran: helper-55 saw 0
+        where one rank caches 14). ``device``: where the process group's tensors live (CUDA under NCCL)."""
         names = sorted(cached)
         both = self._gather(torch.tensor([cached[name] for name in names], dtype=torch.int64, device=device))
         return dict(zip(names, both[1].tolist(), strict=True))

@@ -181,14 +181,15 @@ class CacheDiTExecutor:
         except Exception:  # nothing mounted after all
             pass
 
-    def cached_steps(self) -> int:
-        """Steps of the last batch served from cache (conditional branch), 0 when unmounted."""
+    def cached_steps(self, before: int | None = None) -> int:
+        """Steps of the last batch served from cache (conditional branch), 0 when unmounted;
+        ``before``: only those of the context's step indices below it."""
         if not compat.is_mounted(self.transformer):
             return 0
         import cache_dit
 
         stats = cache_dit.summary(self.transformer, logging=False) or []
-        return max((len(s.cached_steps or []) for s in stats), default=0)
+        return max((len([i for i in s.cached_steps or [] if before is None or i < before]) for s in stats), default=0)
 
     def skip_guide_call(self, key: CacheKey | None) -> None:
         """CFG gating skipped the guiding forward of a step. A separate-CFG context tells the

@@ -50,7 +50,8 @@ def encode_mp4(frames: np.ndarray, fps: int, crf: int = 18) -> bytes:
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         # MB-tree off: with it, libx264 encoded the same frames to different MP4s from call to
         # call (frames off by up to 17 levels, depending on the process's heap); without it, the
-        # same frames give the same bytes
+        # same frames give the same bytes (30-55 % larger files at crf 18 on tiny-wan videos, PSNR
+        # 0.3-0.7 dB higher: helper-58's measurement)
         stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
         for frame in to_uint8(frames):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))

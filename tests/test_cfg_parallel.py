@@ -164,14 +164,17 @@ def test_wan_guided_video_with_two_transformers_equals_one_rank(ray_cluster, dua
                                secondary={"max_warmup_steps": 2, "residual_diff_threshold": 0.9} if secondary else None)
         cached = batch_of(*(dataclasses.replace(video_params(runner.family, p.prompt, p.seed, **{
             **fields, "num_inference_steps": 8}), enable_cache_dit=True, cache_dit_params=eager) for p in batch.requests))
-        one = runner.run(cached)[0].acceleration.cache_dit
-        two = ray.get([w.run_batch.remote(cached) for w in workers], timeout=300)[0][0].acceleration.cache_dit
-        assert two.transformers == one.transformers and (two.cached_steps, two.computed_steps) == \
-            (one.cached_steps, one.computed_steps)
-        assert all(t.cached_steps > 0 for t in one.transformers.values() if t.steps > 2)
-        primary = one.transformers["transformer"]  # the top level is the primary's (helper-55: 13 of 16
-        # steps "computed" on boundary experts where the primary computed 2 of its 5)
-        assert (one.cached_steps, one.computed_steps) == (primary.cached_steps, primary.steps - primary.cached_steps)
+        for gate in (1.0, 0.5):  # gated: group 1's forwards after the gate are unused (helper-58)
+            gated = batch_of(*(dataclasses.replace(p, cfg_gate_fraction=gate) for p in cached.requests))
+            one = runner.run(gated)[0].acceleration.cache_dit
+            two = ray.get([w.run_batch.remote(gated) for w in workers], timeout=300)[0][0].acceleration.cache_dit
+            assert two.transformers == one.transformers and (two.cached_steps, two.computed_steps) == \
+                (one.cached_steps, one.computed_steps)
+            assert all(t.cached_steps > 0 for t in one.transformers.values() if t.steps > 2)
+            primary = one.transformers["transformer"]  # the top level is the primary's (helper-55: 13 of 16
+            # steps "computed" on boundary experts where the primary computed 2 of its 5)
+            assert (one.cached_steps, one.computed_steps) == (primary.cached_steps,
+                                                              primary.steps - primary.cached_steps)
     finally:
         for w in workers:
             ray.kill(w)
