@@ -145,7 +145,8 @@ class RankWorker:
         in its own process, so the actors' answer is empty), none elsewhere."""
         if rank_exit(self.rank, batch):  # fault injection (deployments.faults): this process dies
             os._exit(1)
-        return self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))  # stops when rank 0 says so
+        # stops when rank 0 says so
+        return self.compute.call(self.runner.run, batch, on_step=rank_fault(self.rank, batch))
 
     @ray.method(concurrency_group="batch")
     def denoise(self, batch: Batch):

@@ -120,9 +120,9 @@ class BatchRunner:
         self.state = ReplicaState()
         self.events: deque[tuple] = deque(maxlen=EVENTS_KEPT)  # (batch id, action kind, target), newest last
         self.compiles = 0
-        self.run_steps: dict[str, list[int]] = {}  # of the last batch: transformer -> step indices
+        # of the last batch: transformer -> the step indices of its forwards that count (as on one rank)
+        self.run_steps: dict[str, list[int]] = {}
         self.guide_cached: dict[str, int] = {}  # of the last batch, under CFG parallelism: group 1's counts
-        self.last_gate_at = 0  # the last batch's CFG gate step
         self.last_transitions: dict[str, CacheTransition] = {}
         self.last_lora_loads = 0  # adapters the last batch loaded from disk
         if attention_backend is not None:
@@ -255,7 +255,7 @@ class BatchRunner:
     def prepare_state(self, batch_id: str, head: SamplingParams, schedule: BatchSchedule) -> None:
         """Move this rank to the state the batch wants, executing ``plan_transition``'s actions.
         Raises what an action raises (a failed Cache-DiT action leaves every transformer unmounted)."""
-        self.run_steps = self.cache_steps(schedule)
+        self.run_steps = schedule.run_steps
         loads = self.lora.counters["lora_loads"]
         wanted = self.wanted_state(head, schedule)
         actions = plan_transition(self.state, wanted)
@@ -380,7 +380,7 @@ class BatchRunner:
         if caching:
             gone = None  # same state on every rank: every rank keeps the rows
         dropped: dict[int, int] = {}
-        self.guide_cached, self.last_gate_at = {}, schedule.gate_at
+        self.guide_cached = {}
         try:
             out = denoise_batch(self.family, list(batch.requests), schedule, on_step=on_step,
                                  on_guide_skipped=self._guide_skipped if self.cfg is None else None,
@@ -533,15 +533,6 @@ class BatchRunner:
                                              acceleration, videos=items if video else []))
         return outputs
 
-    def _steps_run(self, name: str, out: LoopOutput) -> int:
-        """Steps at which transformer ``name`` made forwards that counted: its context's steps, but
-        for a guide-only transformer under CFG parallelism only those before the CFG gate (group 1
-        keeps calling it after, unused: ``parallel.cfg``)."""
-        steps = self.run_steps.get(name, [])
-        if name in self.guide_cached:
-            return len([i for i in steps if i < self.last_gate_at])
-        return len(steps)
-
     def _report(self, head: SamplingParams, out: LoopOutput) -> AccelerationReport:
         """The batch's acceleration report (``cfg_gate`` left to each request: ``_outputs``)."""
         # a guide-only transformer under CFG parallelism ran on group 1 (``parallel.cfg``)
@@ -555,7 +546,7 @@ class BatchRunner:
             per_transformer = {
                 name: TransformerCacheReport(active=self.state.cache_key(name) is not None,
                                              transition=transitions.get(name, CacheTransition.NONE),
-                                             steps=self._steps_run(name, out), cached_steps=cached[name])
+                                             steps=len(self.run_steps.get(name, [])), cached_steps=cached[name])
                 for name in self.cache}
         # the primary's steps: a boundary expert runs only its side of the schedule (helper-55: 13
         # "computed" of 16 where the primary computed 2 of its 5)

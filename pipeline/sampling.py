@@ -56,7 +56,8 @@ class SamplingParams:
     boundary models). ``embedded_guidance_scale``: FLUX.1-dev's distilled guidance input (the
     request's ``guidance_scale``; None for models without a guidance embedding).
     ``cache_dit_params``: the override when Cache-DiT is on (an empty one: cache-dit's
-    defaults; made canonical by :func:`check_cache_dit`), None when off. ``cfg_gate_fraction``: the request's ``cfg_gate_step``.
+    defaults; made canonical by :func:`check_cache_dit`), None when off. ``cfg_gate_fraction``:
+    the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
     name (empty: the base model). Image inputs: ``input_mode`` (:class:`InputMode`),
     ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the

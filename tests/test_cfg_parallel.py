@@ -162,8 +162,9 @@ def test_wan_guided_video_with_two_transformers_equals_one_rank(ray_cluster, dua
         # that group's count (helper-55: 0 where one rank cached 14)
         eager = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.9,
                                secondary={"max_warmup_steps": 2, "residual_diff_threshold": 0.9} if secondary else None)
-        cached = batch_of(*(dataclasses.replace(video_params(runner.family, p.prompt, p.seed, **{
-            **fields, "num_inference_steps": 8}), enable_cache_dit=True, cache_dit_params=eager) for p in batch.requests))
+        cached = batch_of(*(dataclasses.replace(
+            video_params(runner.family, p.prompt, p.seed, **{**fields, "num_inference_steps": 8}),
+            enable_cache_dit=True, cache_dit_params=eager) for p in batch.requests))
         for gate in (1.0, 0.5):  # gated: group 1's forwards after the gate are unused (helper-58)
             gated = batch_of(*(dataclasses.replace(p, cfg_gate_fraction=gate) for p in cached.requests))
             one = runner.run(gated)[0].acceleration.cache_dit
