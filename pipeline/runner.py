@@ -549,8 +549,8 @@ class BatchRunner:
                                              steps=len(self.run_steps.get(name, [])), cached_steps=cached[name])
                 for name in self.cache}
         # the primary's steps: a boundary expert runs only its side of the schedule (helper-55: 13
-        # "computed" of 16 where the primary computed 2 of its 5)
-        primary_steps = len(self.run_steps["transformer"]) if "transformer" in self.run_steps else out.steps
+        # "computed" of 16 where the primary computed 2 of its 5); none when boundary_ratio leaves it none
+        primary_steps = len(self.run_steps.get("transformer", []))
         cache = CacheDiTReport(active=self.state.cache_key("transformer") is not None, transition=main,
                                cached_steps=cached["transformer"], computed_steps=primary_steps - cached["transformer"],
                                transformers=per_transformer)

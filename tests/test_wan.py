@@ -215,6 +215,19 @@ def test_dual_cache_dit_mount_refresh_unmount_with_secondary_inheritance(moe_run
     assert plain.videos == _run_family(fresh, exact)
 
 
+def test_a_boundary_that_leaves_the_primary_no_step_reports_it_computing_none(moe_runner):
+    # boundary_ratio 1.0: every timestep is below the boundary, so transformer_2 runs all 8 steps
+    p = params(moe_runner.family, "a red circle", 1, guidance_scale=4.0, num_inference_steps=8,
+               enable_cache_dit=True, cache_dit_params={"Fn_compute_blocks": 2, "residual_diff_threshold": 0.5,
+                                                         "max_warmup_steps": 2}, boundary_ratio=1.0)
+    report = _run(moe_runner, p).acceleration.cache_dit
+    assert moe_runner.run_steps == {"transformer_2": list(range(8))}
+    assert (report.computed_steps, report.cached_steps) == (0, 0)  # the primary's: it ran no step
+    second = report.transformers["transformer_2"]
+    assert second.steps == 8 and second.transition == "mount" and second.cached_steps >= 0
+    assert report.transformers["transformer"].steps == 0 and not report.transformers["transformer"].active
+
+
 def _run_family(family, p):
     from pipeline.media import encode_mp4
 
