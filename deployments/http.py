@@ -415,12 +415,17 @@ def query_params(request: Request, accepted: tuple[str, ...]) -> dict[str, str]:
 def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None,
                   field: str = "api_keys") -> tuple[str, ...]:
     """The accepted API keys: one per line (or comma-separated) in environment variable
-    ``api_keys_env`` and in file ``api_keys_file``. Raises ``ValueError`` naming
-    ``auth.<field>_env`` / ``auth.<field>_file`` when a source is configured but yields no key
-    (an open server by mistake)."""
+    ``api_keys_env`` and in file ``api_keys_file``; ``#`` starts a comment that runs to the end
+    of its line (helper-59: a file's ``# API keys`` header made ``#`` and ``API`` keys). Raises
+    ``ValueError`` naming ``auth.<field>_env`` / ``auth.<field>_file`` when a source is
+    configured but yields no key (an open server by mistake)."""
+
+    def split(text: str) -> list[str]:
+        return [k for line in text.splitlines() for k in re.split(r"[\s,]+", line.split("#", 1)[0]) if k]
+
     keys: list[str] = []
     if api_keys_env is not None:
-        found = [k for k in re.split(r"[\s,]+", os.environ.get(api_keys_env, "")) if k]
+        found = split(os.environ.get(api_keys_env, ""))
         if not found:  # unset, empty, or separators only (",")
             raise ValueError(f"auth.{field}_env names {api_keys_env}, which is unset or holds no key in the "
                              "Ingress replica's environment: Ray gives replicas the environment of their Ray node "
@@ -432,7 +437,7 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
         path = Path(api_keys_file)
         if not path.is_file():
             raise ValueError(f"auth.{field}_file {api_keys_file} is not a readable file")
-        found = [k for k in re.split(r"[\s,]+", path.read_text()) if k]
+        found = split(path.read_text())
         if not found:
             raise ValueError(f"auth.{field}_file {api_keys_file} holds no key")
         keys += found

@@ -244,7 +244,11 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DITSERVE_TEST_KEYS", "k1, k2\nk3")
     (tmp_path / "keys").write_text("k4\n")
     assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
-    for blank in (" ", ",", " ,\n, "):  # separators only served with auth off, saying nothing
+    # comments are not keys (helper-59: "Bearer API" authenticated with a "# API keys" header line)
+    (tmp_path / "commented").write_text("# ditserve API keys (one per line)\nsk-prod-1  # the web app\n\n#sk-old\n")
+    monkeypatch.setenv("DITSERVE_COMMENTED", "sk-a # first, sk-b\nsk-c")
+    assert load_api_keys("DITSERVE_COMMENTED", str(tmp_path / "commented")) == ("sk-a", "sk-c", "sk-prod-1")
+    for blank in (" ", ",", " ,\n, ", "# keys go here\n"):  # separators only served with auth off, saying nothing
         monkeypatch.setenv("DITSERVE_EMPTY", blank)
         with pytest.raises(ValueError, match="^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no "
                                              "key in the Ingress replica's environment: Ray gives replicas the "
