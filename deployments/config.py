@@ -263,10 +263,14 @@ class BatchingConfig(_Strict):
 class VideoJobsConfig(_Strict):
     """Retention of finished video jobs in the Router: each is kept ``ttl_s`` seconds after it
     completes or fails and at most ``max_finished`` are kept (the oldest go first); then its
-    id answers 404."""
+    id answers 404. The ``Idempotency-Key`` of a deleted job is refused ``ttl_s`` seconds, for
+    the last ``max_deleted_keys`` keyed deletions."""
 
     ttl_s: float = Field(default=3600.0, gt=0, le=30 * 24 * 3600)
     max_finished: int = Field(default=100, ge=1, le=1_000_000)
+    # Keys of deleted jobs kept (ttl_s each) to refuse a create still on its way: its own bound,
+    # a few hundred bytes each (it was max_finished: 100 keyed deletions freed the oldest key)
+    max_deleted_keys: int = Field(default=10_000, ge=0, le=1_000_000)
     # Preview frames a running job decodes at evenly spaced steps (the first frame of the current
     # prediction; GET /v1/videos/{id}/content?variant=thumbnail answers the latest); 0: none.
     previews: int = Field(default=2, ge=0, le=3)

@@ -69,16 +69,20 @@ class Job:
 
 class JobStore:
     """Video jobs by id. Finished jobs are evicted ``ttl_s`` seconds after they finish, and
-    beyond ``max_finished`` finished jobs the oldest go first; running ones are never evicted."""
+    beyond ``max_finished`` finished jobs the oldest go first; running ones are never evicted.
+    A deleted job's ``Idempotency-Key`` stays refused ``ttl_s`` seconds, for the last
+    ``max_deleted_keys`` keyed deletions."""
 
-    def __init__(self, ttl_s: float = 3600.0, max_finished: int = 100, clock: Callable[[], float] = time.time):
+    def __init__(self, ttl_s: float = 3600.0, max_finished: int = 100, max_deleted_keys: int = 10_000,
+                 clock: Callable[[], float] = time.time):
         self.ttl_s = ttl_s
         self.max_finished = max_finished
+        self.max_deleted_keys = max_deleted_keys
         self._clock = clock  # Unix seconds
         self._jobs: dict[str, Job] = {}
         self._keyed: dict[str, Job] = {}  # scoped Idempotency-Key -> its job, while the job is kept
         # scoped Idempotency-Key -> (its deleted job's id, request fingerprint, when deleted), kept
-        # ttl_s and at most max_finished of them: a create arriving late does not make the job again
+        # ttl_s and at most max_deleted_keys of them: a create arriving late does not make the job again
         self._deleted_keys: dict[str, tuple[str, str, float]] = {}
 
     def add(self, params: SamplingParams, idempotency: tuple[str, str] | None = None) -> Job:
@@ -143,7 +147,7 @@ class JobStore:
         pass over the jobs, sorted only when some go (it was quadratic in the finished jobs:
         16,000 expiring at once held the Router's event loop for 1.1 s)."""
         now = self._clock()
-        while self._deleted_keys and (len(self._deleted_keys) > self.max_finished
+        while self._deleted_keys and (len(self._deleted_keys) > self.max_deleted_keys
                                       or next(iter(self._deleted_keys.values()))[2] + self.ttl_s <= now):
             del self._deleted_keys[next(iter(self._deleted_keys))]  # oldest first (insertion order)
         finished = [j for j in self._jobs.values() if j.completed_at is not None]

@@ -235,6 +235,25 @@ def test_job_store_forgets_a_key_with_its_job():
     assert store.keyed(("caller:a", "g")) is None
 
 
+def test_deleted_keys_are_refused_for_ttl_s_beyond_max_finished():
+    # helper-59: the deleted keys were capped at max_finished, so 5 keyed deletions under
+    # max_finished 3 made the first 2 keys' late creates run again
+    now = [0.0]
+    store = JobStore(ttl_s=10, max_finished=3, max_deleted_keys=6, clock=lambda: now[0])
+    for i in range(5):
+        store.add(_params(i), (f"caller:k{i}", "f"))
+        store.pop(f"video_{i}")
+    for i in range(5):
+        with pytest.raises(InvalidRequestError, match="was deleted"):
+            store.keyed((f"caller:k{i}", "f"))
+    for i in range(5, 8):  # the bound of its own: the oldest go first
+        store.add(_params(i), (f"caller:k{i}", "f"))
+        store.pop(f"video_{i}")
+    assert [store.keyed((f"caller:k{i}", "f")) for i in (0, 1)] == [None, None]
+    with pytest.raises(InvalidRequestError, match="was deleted"):
+        store.keyed(("caller:k2", "f"))
+
+
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "a", "num_frames": 10}, "num_frames"),
     ({"prompt": "a", "num_frames": 21}, "num_frames"),
