@@ -786,7 +786,8 @@ class Router:
                         p.future.set_exception(InternalError(f"request {p.params.request_id} was dropped from "
                                                              "its batch", request_id=p.params.request_id))
                     continue
-                if p.future.done():
+                if p.future.done():  # its caller left, yet it ran on (Cache-DiT keeps rows; its last steps)
+                    self._count_dropped(p, p.params.effective_steps)  # counted, 0 steps saved (helper-59)
                     continue
                 if out.error is not None:  # this request alone failed inside the batch
                     self._reject("failed_in_batch")
@@ -857,13 +858,15 @@ class Router:
                 self._count_dropped(p, dropped[p.params.request_id])
 
     def _count_dropped(self, p: _Pending, steps_done: int) -> None:
-        """Count a request whose rows left its running batch after ``steps_done`` steps (its
-        caller left): ``cancelled_running_requests`` and the sample steps it did not run."""
+        """Count a request whose caller left while its batch ran, its rows dropped after
+        ``steps_done`` steps (all of them when they ran on): ``cancelled_running_requests`` and
+        the sample steps it did not run."""
         saved = p.params.n * (p.params.effective_steps - steps_done)
         self._counters["cancelled_running_requests"] += 1
         self._counters["sample_steps_saved"] += saved
         self._metric_cancelled.inc(tags={"scope": "request"})
-        self._metric_steps_saved.inc(saved, tags={"scope": "request"})
+        if saved:  # Ray's Counter.inc refuses 0
+            self._metric_steps_saved.inc(saved, tags={"scope": "request"})
 
     def _release_slot(self) -> None:
         """A dispatch the scheduler counted in flight has ended: free its slot and wake the scheduler."""

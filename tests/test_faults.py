@@ -127,6 +127,31 @@ def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     assert np.abs(pixels(answer.data[0].b64_json) - pixels(alone.json()["data"][0]["b64_json"])).max() <= 2
 
 
+def test_a_caller_who_leaves_a_cache_dit_batch_is_counted_though_its_rows_run_on(deploy):
+    """A batch running Cache-DiT keeps its rows (cache-dit's buffers hold every row's): a caller
+    who leaves it is still counted in ``cancelled_running_requests``, with 0 steps saved
+    (helper-59: it was in no counter, as one who left in a batch's last steps)."""
+    url = deploy(SP2)
+    base = router_stats(url)["counters"]
+    handle = serve.get_app_handle("ditserve")
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    cached = {**LONG, "num_inference_steps": 60, "enable_cache_dit": True}
+    leaving = handle.generate.remote({**cached, "prompt": "leaves", "seed": 4})
+    staying = handle.generate.remote({**cached, "prompt": "stays", "seed": 3})
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)
+    leaving.cancel()
+    answer = staying.result(timeout_s=600)
+    assert answer.ditserve.batch_size == 2  # it ran in the batch to the end
+    wait_until(lambda: counted(url, base)["cancelled_running_requests"] == 1)
+    counters = counted(url, base)
+    assert (counters["sample_steps_saved"], counters["cancelled_running"], counters["cancelled"]) == (0, 0, 0)
+    assert (counters["batches"], counters["requests"]) == (2, 2), counters  # the blocker and the one that stayed
+
+
 def test_a_fault_on_one_rank_replaces_the_replica_and_loses_only_its_batch(deploy):
     """Rank 1 alone raises after step 1 while rank 0 waits in the next collective: the group is
     broken, the batch fails (500 naming it), the replica refuses further batches (they are
