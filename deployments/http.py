@@ -77,6 +77,17 @@ def error_response(exc: DitServeError) -> JSONResponse:
     return JSONResponse(exc.to_envelope(), status_code=exc.status_code, headers=headers or None)
 
 
+def _methods_of(request: Request) -> str:
+    """The methods the app's routes take on ``request``'s path, as an ``Allow`` header lists them:
+    each method a route fully matches (Starlette's own ``Allow`` names only the first route of the
+    path's, and Serve's ingress nests a class's routes in one included router)."""
+    from starlette.routing import Match
+
+    return ", ".join(method for method in ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+                     if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                            for route in request.app.routes))
+
+
 def install_error_handlers(app) -> None:
     """Make every error ``app`` answers an envelope: ditserve's, Starlette's own (no such
     route or method, unparsable form), FastAPI's parameter validation, and anything else."""
@@ -86,10 +97,18 @@ def install_error_handlers(app) -> None:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-        return JSONResponse({"error": {"message": str(exc.detail)[:500], "type": "invalid_request_error",
-                                       "param": None, "code": code}}, status_code=exc.status_code)
+        message = str(exc.detail)[:500]
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110 15.5.6: a 405 names the path's methods (helper-59: no Allow)
+            allow = _methods_of(request)  # Starlette's Allow names only its first route of the path's
+            headers["Allow"] = allow
+            message = f"{request.method} is not allowed on {shown(request.url.path)}; it takes {allow}"
+        elif exc.status_code == 404 and message == "Not Found":
+            message = f"no route {shown(request.url.path)} (GET /docs lists the API)"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": code}}, status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _parameter_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

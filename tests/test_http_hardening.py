@@ -112,8 +112,14 @@ def test_malformed_bodies_are_400_envelopes(authed):
     assert r.status_code == 400 and envelope(r)["param"] == "guidance_scale"
     r = authed.get("/v1/videos/x/nothing")  # (remix is OpenAI's, refused as unsupported_operation: test_hardening)
     assert r.status_code == 404 and envelope(r)["code"] == "not_found"
-    r = authed.put("/v1/images/generations", json={})
-    assert r.status_code == 405 and envelope(r)["code"] == "method_not_allowed"
+    assert envelope(r)["message"] == "no route '/v1/videos/x/nothing' (GET /docs lists the API)"
+    # a 405 keeps Starlette's Allow header (RFC 9110) and names the methods (helper-59: both were lost)
+    for method, path, allowed in (("PUT", "/v1/images/generations", "POST"), ("POST", "/v1/models", "GET"),
+                                  ("PATCH", "/v1/videos", "GET, POST")):
+        r = authed.request(method, path, json={})
+        assert r.status_code == 405 and envelope(r)["code"] == "method_not_allowed", (method, path)
+        assert r.headers["allow"] == allowed
+        assert envelope(r)["message"] == f"{method} is not allowed on '{path}'; it takes {allowed}"
 
 
 def test_the_proxy_middleware_turns_plain_errors_into_envelopes():
