@@ -15,7 +15,7 @@ number) and values outside the bounds below are rejected with the field's dotted
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -55,6 +55,19 @@ class CacheDiTKnobs(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # what each knob takes, for a 400 whose value has the wrong type (pipeline.contract.base.describe_error)
+    ALLOWED: ClassVar[dict[str, str]] = {
+        "Fn_compute_blocks": "an integer of blocks >= 1, within the model's blocks "
+                             f"(cache-dit's default {KNOB_DEFAULTS['Fn_compute_blocks']})",
+        "Bn_compute_blocks": f"an integer of blocks >= 0 (cache-dit's default {KNOB_DEFAULTS['Bn_compute_blocks']})",
+        "max_warmup_steps": "an integer of steps >= 0, below the steps that run "
+                            f"(cache-dit's default {KNOB_DEFAULTS['max_warmup_steps']})",
+        "residual_diff_threshold": f"a number > 0 and <= {MAX_THRESHOLD:g} (typically 0.05 to 1; cache-dit's "
+                                   f"default {KNOB_DEFAULTS['residual_diff_threshold']:g})",
+        "max_continuous_cached_steps": "an integer of steps >= -1 (-1: unlimited, cache-dit's default)",
+        "enable_taylorseer": "true or false",
+        "taylorseer_order": f"an integer from 1 to {MAX_TAYLORSEER_ORDER} (with enable_taylorseer)",
+    }
 
     Fn_compute_blocks: int = Field(None, ge=1, le=MAX_BLOCKS)
     Bn_compute_blocks: int = Field(None, ge=0, le=MAX_BLOCKS)
@@ -100,6 +113,14 @@ class CacheDiTParams(CacheDiTKnobs):
     make a step-computation mask, run ``scm_policy`` (``dynamic``: cached steps still check the
     residual; ``static``: they never compute). ``secondary``: knobs of ``transformer_2``.
     """
+
+    ALLOWED: ClassVar[dict[str, str]] = {
+        "scm_preset": f"one of {', '.join(SCM_PRESETS)}",
+        "scm_compute_bins": "a list of integers of steps >= 1, given with scm_cache_bins",
+        "scm_cache_bins": "a list of integers of steps >= 1, given with scm_compute_bins",
+        "scm_policy": f"one of {', '.join(SCM_POLICIES)}",
+        "secondary": "an object of transformer_2's knobs: " + ", ".join(CacheDiTKnobs.model_fields),
+    }
 
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra"] = None
     scm_compute_bins: tuple[_Bin, ...] = Field(None, strict=False)

@@ -208,6 +208,56 @@ def test_video_bad_input_names_the_field(body, field, words):
     assert info.value.param == field and words in str(info.value), str(info.value)
 
 
+def test_a_value_of_the_wrong_type_is_answered_with_the_fields_allowed_values():
+    """helper-59: ``{"priority": 1}`` read "priority: Input should be a valid string", ``fps: 0.5``
+    and ``timeout_s: 0`` named no range. Every field of every request model (and of its nested
+    objects) has an ``ALLOWED`` text, and pydantic's own errors carry it."""
+    from pipeline.cache_dit_params import CacheDiTKnobs, CacheDiTParams
+    from pipeline.contract.base import allowed_text
+    from pipeline.contract.edits import ImageEditRequest
+    from pipeline.contract.images import ImageGenerationRequest
+    from pipeline.contract.lora import LoraRequest
+    from pipeline.contract.videos import VideoGenerationRequest
+
+    for model in (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest, CacheDiTKnobs, CacheDiTParams,
+                  LoraRequest):
+        missing = [f for f in model.model_fields if allowed_text(model, f, VIDEO) is None]
+        assert not missing, (model.__name__, missing)
+    wrong = (True, 1.5, "x", [1], {"a": 1})
+    for validate, limits, model in ((validate_image_request, LIMITS, ImageGenerationRequest),
+                                    (validate_video_request, VIDEO, VideoGenerationRequest)):
+        for field in set(model.model_fields) - {"model"}:  # (a model that is not served is a 404)
+            for value in wrong:
+                try:
+                    validate({"prompt": "a", field: value}, limits)
+                except InvalidRequestError as exc:
+                    assert exc.param == field, (field, value, exc.message)
+                    assert "Input should" not in exc.message or "; allowed: " in exc.message, (field, value)
+    for knob in CacheDiTParams.model_fields:
+        for value in wrong:
+            try:  # (1.5 is a threshold)
+                validate_image_request({"prompt": "a", "cache_dit_params": {knob: value}}, LIMITS)
+            except InvalidRequestError as exc:
+                assert "Input should" not in exc.message or "; allowed: " in exc.message, (knob, value)
+    cases = [({"priority": 1}, "priority: Input should be a valid string, got 1; allowed: one of interactive, batch"),
+             ({"fps": 0.5}, "fps: Input should be a valid integer, got 0.5; allowed: an integer from 1 to 120"),
+             ({"timeout_s": 0}, "timeout_s: Input should be greater than 0, got 0; allowed: a number of seconds > 0 "
+                                "and <= 3600"),
+             ({"seconds": 5}, "seconds: 41 frames requested; at most 33 are allowed (at most 4 seconds at 8 fps)"),
+             ({"num_frames": 10}, "num_frames must be 4·k + 1"),  # (it said num_frames twice)
+             ({"lora": ["a"]}, "lora.0: Input should be an object, got 'a'; allowed: a list of at most 4 objects"),
+             ({"cache_dit_params": {"scm_cache_bins": "x"}}, "cache_dit_params.scm_cache_bins: Input should be a "
+                                                              "list, got 'x'; allowed: a list of integers")]
+    for body, words in cases:
+        assert reasons_video(body).message.startswith(words), body
+
+
+def reasons_video(body: dict) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_video_request({"prompt": "a", **body}, VIDEO)
+    return info.value
+
+
 def test_video_fields_of_the_model_kind():
     single = dataclasses.replace(VIDEO, model_name="tiny-wan", dual_mode=DualMode.SINGLE, default_boundary_ratio=None)
     for body, field in (({"prompt": "a", "boundary_ratio": 0.5}, "boundary_ratio"),

@@ -121,7 +121,7 @@ def test_pixel_modes_convert_to_rgb_or_are_refused_by_name():
      "leaves no step to run"),
     ("too many images", {"image": [picture(), picture()]}, "image", "at most 1"),
     ("no image", {"image": []}, "image", "at least one image"),
-    ("image as text", {"image": "aGVsbG8="}, "image", "bytes"),
+    ("image as text", {"image": "aGVsbG8="}, "image", "image: 'aGVsbG8=' is not allowed; allowed: an image file"),
 ])
 def test_bad_uploads_are_400s_naming_the_field(case, body, param, words):
     error = refused(body)

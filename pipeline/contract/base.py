@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, ClassVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -206,6 +207,29 @@ class GenerationRequest(BaseModel):
     # Requests whose run is shorter than num_inference_steps (strength) check the step-dependent
     # Cache-DiT knobs after validation, against the steps that actually run.
     steps_follow_strength: ClassVar[bool] = False
+    # What each field takes, named in a 400 whose value pydantic refused by type (a string for
+    # an integer; ``describe_error``): text, ``{limits.<field>}`` filled from the served model's
+    # limits, or a function of the limits. Subclasses add theirs; a test checks every field has one.
+    ALLOWED: ClassVar[dict[str, Any]] = {
+        "prompt": "a non-empty string of at most {limits.max_prompt_chars} characters",
+        "model": lambda limits: f"one of {served_models(limits)}",
+        "size": '"WIDTHxHEIGHT" in pixels, each a multiple of {limits.spatial_factor}, at most {limits.max_pixels} '
+                'pixels (default {limits.default_width}x{limits.default_height})',
+        "user": f"a string of at most {MAX_SHORT_TEXT} characters",
+        "safety_identifier": f"a string of at most {MAX_SHORT_TEXT} characters",
+        "negative_prompt": "a string of at most {limits.max_prompt_chars} characters",
+        "num_inference_steps": "an integer from {limits.min_steps} to {limits.max_steps} "
+                               "(default {limits.default_steps})",
+        "guidance_scale": f"a number from 0 to {MAX_GUIDANCE_SCALE:g}",
+        "seed": "an integer from 0 to 2**63 - 1",
+        "enable_cache_dit": "true or false",
+        "cache_dit_params": "an object of Cache-DiT knobs: " + ", ".join(CacheDiTParams.model_fields),
+        "cfg_gate_step": "a number in (0, 1] (1.0: no gating)",
+        "attention_backend_override": lambda limits: f"one of {', '.join(kernel_names())}",
+        "timeout_s": "a number of seconds > 0 and <= {limits.max_timeout_s:g}",
+        "priority": f"one of {', '.join(Priority)}",
+        "lora": 'a list of at most {limits.max_loras} objects {{"name": adapter, "scale": number}}',
+    }
 
     prompt: str
     model: str | None = Field(default=None, max_length=MAX_SHORT_TEXT)
@@ -403,10 +427,55 @@ def fields_at(model: type[BaseModel], path: tuple, validated_as: dict | None = N
     return model.model_fields
 
 
-def describe_error(error: dict, model: type[BaseModel]) -> tuple[str, str]:
-    """One pydantic error → ``(top-level field, message naming the field's dotted path)``."""
+# Errors our own checks raise: their messages name the allowed values already. Every other
+# type is pydantic's own (a value of the wrong type, past a Field bound, a required field left
+# out), which says what is wrong but not what is allowed: the field's ALLOWED text is added.
+OWN_ERRORS = frozenset({"value_error", "assertion_error", "extra_forbidden"})
+
+
+def allowed_text(model: type[BaseModel], field: str, limits: ServingLimits) -> str | None:
+    """What ``field`` of ``model`` takes on this deployment: the ``ALLOWED`` entry of the most
+    derived class that has one, filled from ``limits`` (None: no entry)."""
+    for cls in model.__mro__:
+        text = vars(cls).get("ALLOWED", {}).get(field)
+        if text is not None:
+            return text(limits) if callable(text) else text.format(limits=limits)
+    return None
+
+
+def named_field(model: type[BaseModel], loc: tuple) -> tuple[type[BaseModel], str | None, tuple]:
+    """The innermost field ``loc`` names: ``(its model, its name, loc without the union member
+    tags pydantic inserts, such as ``image.list[bytes].0``)``; the name is None for none."""
+    owner, name, current, path = model, None, model, []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(part)
+        elif current is not None and part in current.model_fields:
+            owner, name = current, part
+            path.append(part)
+            models = _models_in(current.model_fields[part].annotation)
+            current = models[0] if models else None
+    return owner, name, tuple(path)
+
+
+def describe_error(error: dict, model: type[BaseModel], limits: ServingLimits | None = None) -> tuple[str, str]:
+    """One pydantic error → ``(top-level field, message naming the field's dotted path)``; with
+    ``limits``, pydantic's own errors also name what the field takes (``allowed_text``; helper-59:
+    ``{"priority": 1}`` read "priority: Input should be a valid string")."""
     message = error.get("msg", "invalid").removeprefix("Value error, ")
     loc = tuple(error.get("loc", ()))
+    if loc and limits is not None and error.get("type") not in OWN_ERRORS:
+        owner, name, path = named_field(model, loc)
+        allowed = allowed_text(owner, name, limits) if name else None
+        if allowed is not None:
+            dotted = ".".join(str(p) for p in path)
+            if error.get("type") == "missing":
+                return str(loc[0]), f"{dotted}: {message}; allowed: {allowed}"
+            # a union's members each fail: one message for the field, not one per member type
+            message = re.sub(r"a valid dictionary or instance of \w+", "an object", message)  # no class names
+            what = f"{shown(error.get('input'))} is not allowed" if path != loc else \
+                f"{message.replace('a valid tuple', 'a list')}, got {shown(error.get('input'))}"
+            return str(loc[0]), f"{dotted}: {what}; allowed: {allowed}"
     if not loc:  # a model-level check: it names its field first ("seconds: give either ...")
         field = message.split(":")[0].split(" ")[0].split(".")[0]
         return (field if field in model.model_fields or field == "extra_body" else "body"), message
@@ -471,7 +540,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         request = model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
         errors = exc.errors(include_url=False) + checks_across_fields(model_class, body, exc, limits)
-        described = [describe_error(e, model_class) for e in errors[:MAX_ERRORS_LISTED]]
+        described = list(dict.fromkeys(describe_error(e, model_class, limits) for e in errors[:MAX_ERRORS_LISTED]))
         message = "; ".join(m for _, m in described)
         if len(errors) > MAX_ERRORS_LISTED:
             message += f"; and {len(errors) - MAX_ERRORS_LISTED} more problems"

@@ -56,6 +56,13 @@ class ImageEditRequest(ImageGenerationRequest):
     CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = ImageGenerationRequest.CROSS_CHECKED_FIELDS | {
         "mask", "strength", "num_inference_steps", "cache_dit_params"}  # _mode's
 
+    ALLOWED: ClassVar[dict[str, Any]] = {
+        "size": ImageGenerationRequest.ALLOWED["size"] + " (the image's own size)",
+        "image": "an image file (PNG, JPEG or WebP), or a list of at most {limits.max_input_images}",
+        "mask": "a PNG file of the image's size, its fully transparent pixels to repaint",
+        "strength": "a number in (0, 1]",
+    }
+
     image: bytes | list[bytes] = Field(repr=False)
     mask: bytes | None = Field(default=None, repr=False)
     strength: float | None = Field(default=None, allow_inf_nan=False)

@@ -33,6 +33,16 @@ class ImageGenerationRequest(GenerationRequest):
     # the fields this model's checks across fields read (pipeline.contract.base.checks_across_fields)
     CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = frozenset(
         {"size", "n", "stream", "partial_images", "output_format", "output_compression"})
+    ALLOWED: ClassVar[dict[str, Any]] = {
+        "size": GenerationRequest.ALLOWED["size"] + ', or "auto"',
+        "n": "an integer from 1 to {limits.max_n}",
+        "response_format": "b64_json",
+        "output_format": f"one of {', '.join(OUTPUT_FORMATS)}",
+        "output_compression": "an integer from 0 to 100 (output_format jpeg or webp)",
+        "true_cfg_scale": GenerationRequest.ALLOWED["guidance_scale"],
+        "stream": "true or false",
+        "partial_images": f"an integer from 0 to {MAX_PARTIAL_IMAGES} (with stream: true)",
+    }
 
     n: int = 1
     response_format: str = "b64_json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -58,6 +59,12 @@ class LoraRequest(BaseModel):
     (None: the adapter's configured ``default_scale``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # what each field takes, for a 400 whose value has the wrong type (pipeline.contract.base.describe_error)
+    ALLOWED: ClassVar[dict[str, str]] = {
+        "name": "a registered adapter's name (GET /v1/models lists them as '<model>:<name>')",
+        "scale": f"a number in [{LORA_SCALE_RANGE[0]:g}, {LORA_SCALE_RANGE[1]:g}] (default: the adapter's "
+                 "default_scale)",
+    }
 
     name: str = Field(max_length=64)
     scale: float | None = Field(default=None, allow_inf_nan=True)  # NaN/inf get our own message below

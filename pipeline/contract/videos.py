@@ -19,6 +19,13 @@ MAX_SECONDS = 3600  # a bound before frames are computed; limits.max_frames is t
 SECONDS_RE = re.compile(r"[0-9]{1,4}")  # ASCII digits only, as size's; OpenAI's VideoSeconds: "4", "8", "12"
 
 
+def frames_of(seconds: int, fps: int, limits: ServingLimits) -> int:
+    """The frames ``seconds`` at ``fps`` make: ``temporal_factor · round(seconds · fps /
+    temporal_factor) + 1`` (at least one latent step)."""
+    factor = max(limits.temporal_factor, 1)
+    return factor * max(1, round(seconds * fps / factor)) + 1
+
+
 class VideoGenerationRequest(GenerationRequest):
     """Body of ``POST /v1/videos`` and argument of the handle's ``submit_video``.
 
@@ -36,6 +43,15 @@ class VideoGenerationRequest(GenerationRequest):
 
     # the fields this model's checks across fields read (pipeline.contract.base.checks_across_fields)
     CROSS_CHECKED_FIELDS: ClassVar[frozenset[str]] = frozenset({"size", "seconds", "num_frames", "fps"})
+    ALLOWED: ClassVar[dict[str, Any]] = {
+        "seconds": f"a whole number of seconds from 1 to {MAX_SECONDS}, as an integer or a string of digits",
+        "num_frames": "an integer {limits.temporal_factor}·k + 1, at most {limits.max_frames} "
+                      "(default {limits.default_num_frames})",
+        "fps": "an integer from 1 to 120 (default {limits.default_fps})",
+        "guidance_scale_2": GenerationRequest.ALLOWED["guidance_scale"],
+        "boundary_ratio": "a number in [0, 1]",
+        "input_reference": "an uploaded image file (PNG, JPEG or WebP)",
+    }
 
     seconds: int | str | None = None
     num_frames: int | None = None
@@ -94,14 +110,22 @@ class VideoGenerationRequest(GenerationRequest):
             return v
         return guidance_scale(v, info)
 
+    def _seconds_that_fit(self, limits: ServingLimits) -> str:
+        """`` (at most N seconds at F fps)`` for a ``seconds`` past ``max_frames`` (helper-59: the
+        400 named frames only); empty for ``num_frames``."""
+        if self.seconds is None:
+            return ""
+        fps = self.fps or limits.default_fps
+        fit = [s for s in range(1, limits.max_frames // fps + 2) if frames_of(s, fps, limits) <= limits.max_frames]
+        return (f" (at most {max(fit)} seconds at {fps} fps)" if fit
+                else f" (no whole second fits at {fps} fps: give num_frames, or a lower fps)")
+
     def frames(self, limits: ServingLimits) -> int:
         """The frame count this request asks for (before the limit checks)."""
-        factor = max(limits.temporal_factor, 1)
-        fps = self.fps or limits.default_fps
         if self.num_frames is not None:
             return self.num_frames
         if self.seconds is not None:
-            return factor * max(1, round(self.seconds * fps / factor)) + 1
+            return frames_of(self.seconds, self.fps or limits.default_fps, limits)
         return limits.default_num_frames
 
     @model_validator(mode="after")
@@ -115,10 +139,11 @@ class VideoGenerationRequest(GenerationRequest):
         field = "num_frames" if self.num_frames is not None else "seconds"
         factor = limits.temporal_factor
         if frames < 1 or (factor and (frames - 1) % factor):
-            raise ValueError(f"{field}: num_frames must be {factor}·k + 1 (the VAE's temporal factor is {factor}), "
+            raise ValueError(f"num_frames must be {factor}·k + 1 (the VAE's temporal factor is {factor}), "
                              f"e.g. {factor + 1}, {2 * factor + 1}, {4 * factor + 1}; got {frames}")
         if frames > limits.max_frames:
-            raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed")
+            raise ValueError(f"{field}: {frames} frames requested; at most {limits.max_frames} are allowed"
+                             + self._seconds_that_fit(limits))
         latent_frames = (frames - 1) // max(factor, 1) + 1
         if limits.max_latent_frames and latent_frames > limits.max_latent_frames:
             most = (limits.max_latent_frames - 1) * max(factor, 1) + 1
