@@ -503,9 +503,10 @@ class BearerAuth:
         keys = getattr(state, "api_keys", ()) if scope["type"] == "http" else ()
         if keys and not self._public(scope):
             if not self._matches(scope, keys):
+                sent = len(_authorization_headers(scope))
                 response = error_response(AuthenticationError(
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'", param=None,
-                    code="invalid_api_key"))
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                    + (f" once (it came {sent} times)" if sent > 1 else ""), param=None, code="invalid_api_key"))
                 await response(scope, receive, send)
                 return
             if self._matches(scope, getattr(state, "batch_api_keys", ())):  # request.state.default_priority
@@ -535,13 +536,29 @@ class BearerAuth:
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 
 
+def _authorization_headers(scope) -> list[bytes]:
+    return [value for name, value in scope.get("headers") or () if name == b"authorization"]
+
+
 def bearer_token(scope) -> bytes | None:
     """The token of an ASGI request ``scope``'s ``Authorization: Bearer <token>`` header (the
-    scheme in any case, the token without surrounding spaces; of several such headers the last,
-    for the key check and the key's namespace alike), or None for another scheme, an empty
-    token or none."""
-    scheme, _, token = dict(scope.get("headers") or ()).get(b"authorization", b"").partition(b" ")
+    scheme in any case, the token without surrounding spaces), or None for another scheme, an
+    empty token, none, or several ``Authorization`` headers (helper-59: the last one won, where a
+    repeated ``Idempotency-Key`` or field is refused; for the key check and the key's namespace
+    alike)."""
+    headers = _authorization_headers(scope)
+    scheme, _, token = (headers[0] if len(headers) == 1 else b"").partition(b" ")
     return (token.strip() or None) if scheme.lower() == b"bearer" else None
+
+
+def single_header(request: Request, name: str) -> str | None:
+    """Header ``name`` of ``request``, or None without it. Raises ``InvalidRequestError`` naming
+    it when it is sent more than once (helper-59: a second ``Idempotency-Key`` was ignored)."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise InvalidRequestError(f"{name} was sent {len(values)} times; send it once", param=name,
+                                  code="invalid_value")
+    return values[0] if values else None
 
 
 def caller_scope(request: Request | None) -> str:

@@ -26,7 +26,7 @@ from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
 from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, caller_scope, idempotency_scope,
                               install_error_handlers, json_body, json_or_form_body, key_default_priority,
-                              load_api_keys, query_params, request_body, request_fingerprint)
+                              load_api_keys, query_params, request_body, request_fingerprint, single_header)
 from deployments.serve_logs import answers_are_not_failures
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
@@ -515,7 +515,7 @@ class Ingress:
     @api.post("/v1/videos", openapi_extra=request_body(VideoGenerationRequest, forms=True), dependencies=NO_QUERY)
     async def http_create_video(self, request: Request):
         body = await json_or_form_body(request, self._max_json_bytes, self._max_body_bytes, files=VIDEO_FILES)
-        key = idempotency_scope(request.headers.get("idempotency-key"), caller_scope(request))
+        key = idempotency_scope(single_header(request, "Idempotency-Key"), caller_scope(request))
         return (await self._submit_video(key_default_priority(body, request), key)).model_dump()
 
     @api.get("/v1/videos", openapi_extra={"parameters": LIST_QUERY})

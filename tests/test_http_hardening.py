@@ -48,6 +48,10 @@ def test_keys_are_required_and_compared(url, authed):
         r = httpx.post(f"{url}/v1/images/generations", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and envelope(r)["code"] == "invalid_api_key"
     assert authed.post("/v1/images/generations", json=body).status_code == 200
+    for pair in ((f"Bearer {KEY}", "Bearer wrong"), ("Bearer wrong", f"Bearer {KEY}")):  # the last one won (helper-59)
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60,
+                       headers=[("Authorization", pair[0]), ("Authorization", pair[1])])
+        assert r.status_code == 401 and envelope(r)["message"].endswith("once (it came 2 times)"), r.text
     batch = httpx.post(f"{url}/v1/images/generations", json=body, headers={"Authorization": "Bearer sk-batch-0"},
                        timeout=60)
     assert batch.status_code == 200  # a batch key is a key (its requests default to priority batch)

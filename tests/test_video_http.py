@@ -170,6 +170,11 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
         assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", bad
         if bad == "caf\u00e9":  # echoed as sent (it was 'cafÃ©': the header's UTF-8 read as Latin-1)
             assert "got 'caf\u00e9'" in r.json()["error"]["message"], r.text
+    # two keys: a 400, not the first taken and the second ignored (helper-59)
+    twice = httpx.post(f"{url}/v1/videos", json=body, timeout=30,
+                       headers=[("Idempotency-Key", "k-1"), ("Idempotency-Key", "k-9")])
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "Idempotency-Key"
+    assert twice.json()["error"]["message"] == "Idempotency-Key was sent 2 times; send it once"
     handle = serve.get_app_handle("ditserve")
     by_handle = handle.submit_video.remote(body, idempotency_key="k-1").result()
     assert by_handle.id != first["id"]  # the handle is another caller than HTTP
@@ -196,7 +201,8 @@ def test_an_idempotency_key_makes_one_job_however_often_the_create_is_sent(url):
 def test_a_keys_namespace_is_the_api_key_the_auth_check_reads():
     """``caller_scope`` reads ``Authorization`` as ``BearerAuth`` does (helper-33's review: with two
     headers the key check took the last, the namespace the first, so a request authenticated as
-    one key reached another key's jobs)."""
+    one key reached another key's jobs). Two headers are no key at all (helper-59: the last won,
+    where a repeated Idempotency-Key or field is refused)."""
     from starlette.requests import Request
 
     from deployments.http import bearer_token, caller_scope
@@ -204,10 +210,11 @@ def test_a_keys_namespace_is_the_api_key_the_auth_check_reads():
     def scope(*values: bytes) -> dict:
         return {"type": "http", "headers": [(b"authorization", v) for v in values]}
 
-    assert caller_scope(Request(scope(b"Bearer sk-b", b"Bearer sk-a"))) == caller_scope(Request(scope(b"Bearer sk-a")))
-    assert bearer_token(scope(b"Bearer sk-b", b"Bearer sk-a")) == b"sk-a"
-    assert caller_scope(Request(scope(b"Basic x", b"bearer   sk-b"))) == caller_scope(Request(scope(b"Bearer sk-b")))
-    anonymous = {caller_scope(Request(scope(*h))) for h in ((), (b"Basic x",), (b"Bearer",), (b"Bearer   ",))}
+    assert bearer_token(scope(b"Bearer sk-b", b"Bearer sk-a")) is None
+    assert bearer_token(scope(b"Bearer sk-a", b"Bearer sk-a")) is None
+    assert caller_scope(Request(scope(b"bearer   sk-b"))) == caller_scope(Request(scope(b"Bearer sk-b")))
+    anonymous = {caller_scope(Request(scope(*h))) for h in ((), (b"Basic x",), (b"Bearer",), (b"Bearer   ",),
+                                                             (b"Basic x", b"Bearer sk-b"))}
     assert anonymous == {"http"}  # no key sent, whichever way: one namespace
     assert "handle" not in {caller_scope(Request(scope(v))) for v in (b"handle", b"Bearer handle")}
     assert caller_scope(Request(scope(b"Bearer \xff\xfe"))).startswith("http:")  # any bytes
