@@ -37,7 +37,7 @@ from pipeline.contract.lora import adapter_model_id
 from pipeline.contract.text import shown
 from pipeline.contract.videos import (LIST_PARAMS, ListOrder, VideoGenerationRequest, VideoJob, VideoList,
                                       validate_list_params, validate_video_request)
-from pipeline.errors import InternalError, InvalidRequestError, ServiceUnavailableError
+from pipeline.errors import InternalError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.wire import GenerationMetadata
 
@@ -540,6 +540,18 @@ class Ingress:
     @api.get("/v1/models", dependencies=NO_QUERY)
     async def http_models(self):
         return await self.models()
+
+    @api.get("/v1/models/{model_id:path}", dependencies=NO_QUERY)
+    async def http_model(self, model_id: str):
+        """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the entry of
+        ``GET /v1/models`` with that id, else a 404 naming the served ones."""
+        listed = (await self.models())["data"]
+        found = next((m for m in listed if m["id"] == model_id), None)
+        if found is None:
+            raise ModelNotFoundError(f"model {shown(model_id)} is not served here; available: "
+                                     f"{', '.join(repr(m['id']) for m in listed)}", param="model",
+                                     code="model_not_found")
+        return found
 
     @api.get("/v1/stats", dependencies=NO_QUERY)
     async def http_stats(self):

@@ -101,8 +101,15 @@ def test_concurrent_requests_are_batched(client):
 
 
 def test_models_health_and_stats(url):
+    import openai
+
     models = httpx.get(f"{url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-flux"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve("tiny-flux").model_dump(exclude_none=True) == models["data"][0]  # (helper-59: 404)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-image-1")
+    assert info.value.body["code"] == "model_not_found" and "available: 'tiny-flux'" in info.value.body["message"]
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     stats = httpx.get(f"{url}/v1/stats").json()
     assert stats["router"]["counters"]["batches"] >= 1
