@@ -28,8 +28,6 @@ from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, ca
                               install_error_handlers, json_body, json_or_form_body, key_default_priority,
                               load_api_keys, query_params, request_body, request_fingerprint, single_header)
 from deployments.serve_logs import answers_are_not_failures
-from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -162,8 +160,7 @@ class Ingress:
         self._limits: ServingLimits | None = None
         # args' request defaults from the start: a user_config without acceleration fields (loras
         # only, or none) keeps them (they were AccelerationDefaults()'s until one came)
-        self._defaults = AccelerationDefaults.from_config(
-            AccelerationConfig.model_validate(config.get("acceleration") or {}).model_dump())
+        self._defaults = self._args_defaults()
         self._live = LiveUpdates("Ingress")
         self._loras = lora_registry(config["model"].get("loras") or {})
         limits = config["limits"]
@@ -249,18 +246,9 @@ class Ingress:
                                              model["dtype"], int(parallel.get("ring_degree", 1)))
         if acceleration is not None:
             defaults = AccelerationDefaults.from_config(acceleration.model_dump())
-            if self._limits is not None and (defaults.cache_dit_params is not None or defaults.enable_cache_dit):
-                # the model is known. The default knobs run wherever a request turns Cache-DiT on
-                # (none may cache nothing); on by default, they run every request that leaves out
-                # num_inference_steps (limits.default_steps)
-                params = defaults.cache_dit_params or CacheDiTParams()
-                steps = self._limits.default_steps if defaults.enable_cache_dit else None
-                problems = [*cache_dit_problems(params, self._limits, steps),
-                            *nothing_cached_problems(params, self._limits, steps)]
-                if problems:
-                    fits = " and its limits.default_steps" if steps else ""
-                    raise ValueError(f"acceleration.cache_dit_params does not fit the model{fits}: "
-                                     + "; ".join(problems))
+            problem = defaults.cache_dit_problem(self._limits) if self._limits is not None else None  # model known
+            if problem:
+                raise ValueError(problem)
             self._defaults = defaults
         if loras is not None:  # checked before either changed: both change, or neither
             self._loras = loras
@@ -282,8 +270,22 @@ class Ingress:
                     raise error from None
                 raise ServiceUnavailableError(f"no replica is ready yet ({type(exc).__name__})",
                                               code="not_ready") from None
-            self._limits = facts.limits(self._config["model"]["name"], self._config["limits"], self._loras)
+            self._model_known(facts.limits(self._config["model"]["name"], self._config["limits"], self._loras))
         return self._limits
+
+    def _model_known(self, limits: ServingLimits) -> None:
+        """Take the served model's ``limits``. Default Cache-DiT knobs of a ``user_config`` given
+        at the start (unchecked: the model was not known yet) that do not fit it are refused as a
+        live update is: the ``args``' defaults, which every DiTReplica checked at its start, stay."""
+        self._limits = limits
+        problem = self._defaults.cache_dit_problem(limits)
+        if problem:
+            self._defaults = self._args_defaults()
+            self._live.refuse(problem)
+
+    def _args_defaults(self) -> AccelerationDefaults:
+        return AccelerationDefaults.from_config(
+            AccelerationConfig.model_validate(self._config.get("acceleration") or {}).model_dump())
 
     # -- handle API ---------------------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest | dict | None = None, /,

@@ -43,6 +43,22 @@ class AccelerationDefaults:
                    cfg_gate_fraction=float(acceleration.get("cfg_gate_step", 1.0)),
                    attention_backend=acceleration.get("attention_backend"))
 
+    def cache_dit_problem(self, limits: ServingLimits) -> str | None:
+        """Why the default Cache-DiT knobs do not fit the model (None: they do). They run
+        wherever a request turns Cache-DiT on (none may cache nothing); on by default, they run
+        every request that leaves out ``num_inference_steps``, so they must fit
+        ``limits.default_steps`` too (helper-60: a warmup of 50 over 16 default steps deployed,
+        then refused every such request)."""
+        if self.cache_dit_params is None and not self.enable_cache_dit:
+            return None
+        params = self.cache_dit_params or CacheDiTParams()
+        steps = limits.default_steps if self.enable_cache_dit else None
+        problems = [*cache_dit_problems(params, limits, steps), *nothing_cached_problems(params, limits, steps)]
+        if not problems:
+            return None
+        fits = " and its limits.default_steps" if steps else ""
+        return f"acceleration.cache_dit_params does not fit the model{fits}: " + "; ".join(problems)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
