@@ -358,6 +358,26 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
     return app
 
 
+def _auth_notes(app: dict) -> list[str]:
+    """``--check``'s notes on an application's key sources that this machine cannot confirm (the
+    Ingress reads them where it runs, and fails its start when one yields no key): a variable
+    unset here and not in the application's ``runtime_env.env_vars``, a file missing here
+    (helper-59: ``--check`` passed both without a word)."""
+    auth = (app.get("args") or {}).get("auth") or {}
+    env_vars = ((app.get("runtime_env") or {}).get("env_vars") or {})
+    notes = []
+    for field in ("api_keys", "batch_api_keys"):
+        name, path = auth.get(f"{field}_env"), auth.get(f"{field}_file")
+        if name is not None and not os.environ.get(name) and not env_vars.get(name):
+            notes.append(f"auth.{field}_env names {name}, unset here and not in the application's "
+                         "runtime_env.env_vars: the Ingress reads it in its Ray node's environment, and does not "
+                         "start where it holds no key")
+        if path is not None and not Path(path).is_file():
+            notes.append(f"auth.{field}_file {path} is not a file here: the Ingress reads it on its own node, and "
+                         "does not start where it is missing")
+    return notes
+
+
 def _check_compile_backend(backend: str) -> None:
     """Raise :class:`CannotStart` for an ``acceleration.compile_backend`` this torch's
     ``torch.compile`` does not have (each replica's start failed on it, after the cluster started).
@@ -1028,6 +1048,9 @@ def _serve_until_stopped(ns) -> int:
                     checked_app(app["args"], app.get("deployments"))
                 except CannotStart as exc:
                     raise CannotStart(f"application {app['name']!r}: {exc}" if len(apps) > 1 else str(exc)) from None
+            for app in apps:
+                for note in _auth_notes(app):
+                    print(f"note: application {app['name']!r}: {note}", file=sys.stderr, flush=True)
             names = ", ".join(repr(app["name"]) for app in apps)
             print(f"{ns.config or 'the default config'}: application{'s' if len(apps) > 1 else ''} {names} "
                   f"pass{'' if len(apps) > 1 else 'es'} ditserve's checks (args, deployments entries, user_configs, "

@@ -1070,6 +1070,33 @@ def test_serve_refuses_an_application_field_it_would_not_apply(tmp_path, capsys,
                    "deploy`), or leave it out\n"), err
 
 
+def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, monkeypatch):
+    """A key variable unset here (and not in the application's runtime_env) or a key file
+    missing here passes ``--check`` (the Ingress reads them where it runs) with a note each
+    (helper-59: without a word, then the Ingress did not start)."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    monkeypatch.delenv("DITSERVE_TEST_UNSET_KEYS", raising=False)
+    config = _tiny_cpu_config(lambda c, app: app["args"].update(auth={
+        "api_keys_env": "DITSERVE_TEST_UNSET_KEYS", "batch_api_keys_file": str(tmp_path / "missing")}))
+    path = tmp_path / "auth.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        "note: application 'ditserve': auth.api_keys_env names DITSERVE_TEST_UNSET_KEYS, unset here and not in the "
+        "application's runtime_env.env_vars: the Ingress reads it in its Ray node's environment, and does not start "
+        "where it holds no key",
+        f"note: application 'ditserve': auth.batch_api_keys_file {tmp_path / 'missing'} is not a file here: the "
+        "Ingress reads it on its own node, and does not start where it is missing"], notes
+    monkeypatch.setenv("DITSERVE_TEST_UNSET_KEYS", "k1")
+    (tmp_path / "missing").write_text("k2\n")
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
     """Both named, each where it comes from (helper-36's review: the file's error was dropped)."""
     import ray
