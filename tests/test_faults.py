@@ -96,25 +96,30 @@ def test_a_batch_whose_callers_all_left_stops_at_a_step_boundary(deploy):
     assert (pixels(again.json()["data"][0]["b64_json"]) == pixels(reference)).all()
 
 
+def one_of_two_leaves(url, leaving: dict, staying: dict):
+    """Run ``leaving`` and ``staying`` (one signature) batched together behind a short batch;
+    cancel ``leaving``'s handle call 1 s into their batch; ``staying``'s answer."""
+    handle = serve.get_app_handle("ditserve")
+    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
+    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
+    gone, stays = handle.generate.remote(leaving), handle.generate.remote(staying)
+    wait_until(lambda: router_stats(url)["queued"] == 2)
+    blocker.result(timeout_s=600)
+    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
+    time.sleep(1.0)
+    gone.cancel()
+    return stays.result(timeout_s=600)
+
+
 def test_a_request_whose_caller_left_is_dropped_from_its_running_batch(deploy):
     """Two requests batched on a 2-rank replica; one caller leaves a few steps in: rank 0 learns
     it from the Router, both ranks drop its rows at the same step, and the other request's
     image is the one it gets alone."""
     url = deploy(SP2)  # the replica of the tests before, when they ran: counters are compared as increases
     base = router_stats(url)["counters"]
-    handle = serve.get_app_handle("ditserve")
-    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
-    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
-    # 100 steps (~7 s in a batch of 2 here): 40 steps ended 3 s in, 1 s after the cancel below
+    # 100 steps (~7 s in a batch of 2 here): 40 steps ended 3 s in, 1 s after the cancel
     stays = {**LONG, "prompt": "stays", "seed": 3, "num_inference_steps": 100}
-    leaving = handle.generate.remote({**LONG, "prompt": "leaves", "seed": 4, "num_inference_steps": 100})
-    staying = handle.generate.remote(stays)
-    wait_until(lambda: router_stats(url)["queued"] == 2)
-    blocker.result(timeout_s=600)
-    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
-    time.sleep(1.0)
-    leaving.cancel()
-    answer = staying.result(timeout_s=600)
+    answer = one_of_two_leaves(url, {**LONG, "prompt": "leaves", "seed": 4, "num_inference_steps": 100}, stays)
     counters = counted(url, base)
     assert counters["cancelled_running_requests"] == 1 and counters["cancelled_running"] == 0
     assert 0 < counters["sample_steps_saved"] < 100
@@ -133,18 +138,8 @@ def test_a_caller_who_leaves_a_cache_dit_batch_is_counted_though_its_rows_run_on
     (helper-59: it was in no counter, as one who left in a batch's last steps)."""
     url = deploy(SP2)
     base = router_stats(url)["counters"]
-    handle = serve.get_app_handle("ditserve")
-    blocker = handle.generate.remote({**LONG, "prompt": "first", "num_inference_steps": 6})  # both queue behind it
-    wait_until(lambda: router_stats(url)["inflight_batches"] == 1)
     cached = {**LONG, "num_inference_steps": 60, "enable_cache_dit": True}
-    leaving = handle.generate.remote({**cached, "prompt": "leaves", "seed": 4})
-    staying = handle.generate.remote({**cached, "prompt": "stays", "seed": 3})
-    wait_until(lambda: router_stats(url)["queued"] == 2)
-    blocker.result(timeout_s=600)
-    wait_until(lambda: router_stats(url)["queued"] == 0 and router_stats(url)["inflight_batches"] == 1)
-    time.sleep(1.0)
-    leaving.cancel()
-    answer = staying.result(timeout_s=600)
+    answer = one_of_two_leaves(url, {**cached, "prompt": "leaves", "seed": 4}, {**cached, "prompt": "stays", "seed": 3})
     assert answer.ditserve.batch_size == 2  # it ran in the batch to the end
     wait_until(lambda: counted(url, base)["cancelled_running_requests"] == 1)
     counters = counted(url, base)
