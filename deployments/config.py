@@ -668,6 +668,21 @@ class AppConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _default_knobs(self):
+        """Default Cache-DiT knobs on by default must fit ``limits.default_steps``, which needs
+        no model (its blocks are checked by the Ingress once the model is known: a request
+        running knobs past them is a 400 naming the server's default)."""
+        from pipeline.contract.limits import ServingLimits
+        from pipeline.sampling import AccelerationDefaults
+
+        steps = self.limits.default_steps
+        problem = AccelerationDefaults.from_config(self.acceleration.model_dump()).cache_dit_problem(
+            ServingLimits(self.model.name, 1, 1, 1, steps, 0.0), model_known=False)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _default_kernel(self):
         """The default kernel must run on the configured device, dtype and parallel layout, by
         the rules a request's override is checked with; whether its package is installed is

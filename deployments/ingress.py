@@ -160,7 +160,8 @@ class Ingress:
         self._limits: ServingLimits | None = None
         # args' request defaults from the start: a user_config without acceleration fields (loras
         # only, or none) keeps them (they were AccelerationDefaults()'s until one came)
-        self._defaults = self._args_defaults()
+        self._defaults = AccelerationDefaults.from_config(
+            AccelerationConfig.model_validate(config.get("acceleration") or {}).model_dump())
         self._live = LiveUpdates("Ingress")
         self._loras = lora_registry(config["model"].get("loras") or {})
         limits = config["limits"]
@@ -270,22 +271,8 @@ class Ingress:
                     raise error from None
                 raise ServiceUnavailableError(f"no replica is ready yet ({type(exc).__name__})",
                                               code="not_ready") from None
-            self._model_known(facts.limits(self._config["model"]["name"], self._config["limits"], self._loras))
+            self._limits = facts.limits(self._config["model"]["name"], self._config["limits"], self._loras)
         return self._limits
-
-    def _model_known(self, limits: ServingLimits) -> None:
-        """Take the served model's ``limits``. Default Cache-DiT knobs of a ``user_config`` given
-        at the start (unchecked: the model was not known yet) that do not fit it are refused as a
-        live update is: the ``args``' defaults, which every DiTReplica checked at its start, stay."""
-        self._limits = limits
-        problem = self._defaults.cache_dit_problem(limits)
-        if problem:
-            self._defaults = self._args_defaults()
-            self._live.refuse(problem)
-
-    def _args_defaults(self) -> AccelerationDefaults:
-        return AccelerationDefaults.from_config(
-            AccelerationConfig.model_validate(self._config.get("acceleration") or {}).model_dump())
 
     # -- handle API ---------------------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest | dict | None = None, /,

@@ -56,11 +56,9 @@ class LiveUpdates:
         except ValueError as exc:
             if not self.serving:
                 raise
-            self.refuse(validation_line(exc) if isinstance(exc, ValidationError) else str(exc))  # pydantic's: lines
+            said = validation_line(exc) if isinstance(exc, ValidationError) else str(exc)  # pydantic's runs to many lines
+            self.refused = {"error": said, "at": time.time()}
+            logger.error("%s: the user_config update was refused; the settings in force stay: %s",
+                         self.deployment, said)
             return
         self.refused = None
-
-    def refuse(self, said: str) -> None:
-        """Keep and log ``said``, why the last update was refused."""
-        self.refused = {"error": said, "at": time.time()}
-        logger.error("%s: the user_config update was refused; the settings in force stay: %s", self.deployment, said)

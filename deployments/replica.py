@@ -109,13 +109,11 @@ def _default_params(model_name: str, acceleration: dict, limits: dict, facts: Mo
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 
-def check_defaults(model_name: str, limits: dict, facts: ModelFacts, acceleration: dict | None = None) -> None:
+def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
     """Raise ``ValueError`` naming ``limits.<field>`` when a request giving the server's defaults
     (``default_size``, ``default_steps``, a video's ``default_num_frames``) would be refused: a
     default off the model's grid (``60x64`` where sizes are multiples of 8), or past a limit,
-    ran for every request that left the field out; naming ``acceleration.cache_dit_params`` when
-    the default Cache-DiT knobs do not fit the model (``AccelerationDefaults.cache_dit_problem``:
-    the Ingress checks them only once it knows the model, at a live update)."""
+    ran for every request that left the field out."""
     from deployments.config import LimitsConfig
     from pipeline.contract.edits import validate_edit_request
     from pipeline.contract.images import validate_image_request
@@ -135,9 +133,6 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts, acceleratio
     except InvalidRequestError as exc:
         raise ValueError(f"limits.{field.get(exc.param, exc.param)}: the default is a value no request may give "
                          f"to model {model_name!r}: {exc.message}") from None
-    problem = AccelerationDefaults.from_config(acceleration or {}).cache_dit_problem(serving)
-    if problem:
-        raise ValueError(problem)
 
 
 def log_to_serve() -> None:
@@ -198,7 +193,7 @@ class DiTReplica:
         if self._ranks is not None:
             self._ranks.join(self._runner, self._compute)
         self._parameter_bytes = self._ranks.parameter_bytes if self._ranks else [self._runner.parameter_bytes()]
-        check_defaults(model["name"], limits or {}, self._runner.facts(), acceleration)
+        check_defaults(model["name"], limits or {}, self._runner.facts())
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.contract.base import cache_dit_problems, nothing_cached_problems
+from pipeline.contract.base import cache_dit_problems, nothing_cached_problems, step_problems
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
     edit_mode, effective_steps, strength_runs
 from pipeline.contract.images import ImageGenerationRequest
@@ -43,21 +43,31 @@ class AccelerationDefaults:
                    cfg_gate_fraction=float(acceleration.get("cfg_gate_step", 1.0)),
                    attention_backend=acceleration.get("attention_backend"))
 
-    def cache_dit_problem(self, limits: ServingLimits) -> str | None:
+    def cache_dit_problem(self, limits: ServingLimits, model_known: bool = True) -> str | None:
         """Why the default Cache-DiT knobs do not fit the model (None: they do). They run
         wherever a request turns Cache-DiT on (none may cache nothing); on by default, they run
         every request that leaves out ``num_inference_steps``, so they must fit
-        ``limits.default_steps`` too (helper-60: a warmup of 50 over 16 default steps deployed,
-        then refused every such request)."""
+        ``limits.default_steps`` too. ``model_known`` False: a config read without the model
+        (its blocks and experts unknown), checked against ``limits.default_steps`` alone
+        (helper-60: a warmup of 50 over 16 default steps deployed, then refused every request
+        running the defaults)."""
         if self.cache_dit_params is None and not self.enable_cache_dit:
             return None
         params = self.cache_dit_params or CacheDiTParams()
         steps = limits.default_steps if self.enable_cache_dit else None
-        problems = [*cache_dit_problems(params, limits, steps), *nothing_cached_problems(params, limits, steps)]
+        if model_known:
+            problems = [*cache_dit_problems(params, limits, steps), *nothing_cached_problems(params, limits, steps)]
+        else:  # no blocks known (num_blocks 0 skips their checks), nor presets' step counts
+            unknown = dataclasses.replace(limits, num_blocks=0, longest_block_list=0, scm_preset_steps={})
+            problems = [*(step_problems(params, unknown, steps) if steps else []),
+                        *nothing_cached_problems(params, unknown, steps)]
         if not problems:
             return None
-        fits = " and its limits.default_steps" if steps else ""
-        return f"acceleration.cache_dit_params does not fit the model{fits}: " + "; ".join(problems)
+        if model_known:
+            fits = " does not fit the model and its limits.default_steps" if steps else " does not fit the model"
+        else:
+            fits = " does not fit limits.default_steps" if steps else ""
+        return f"acceleration.cache_dit_params{fits}: " + "; ".join(problems)
 
 
 @dataclass(frozen=True)

@@ -137,32 +137,6 @@ def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, pa
     assert ingress._live.refused is None and ingress._defaults.cfg_gate_fraction == 0.25
 
 
-def test_a_start_time_ingress_update_whose_knobs_do_not_fit_the_model_is_refused_once_it_is_known():
-    """At the start the Ingress does not know the model, so a ``user_config``'s default Cache-DiT
-    knobs were taken unchecked and every request running them was a 400 (helper-60). Once the
-    model is known they are refused as a live update is, and ``args``' defaults stay."""
-    from deployments.ingress import Ingress
-    from pipeline.contract.limits import ServingLimits
-    from pipeline.sampling import AccelerationDefaults
-
-    ingress = object.__new__(Ingress.func_or_class)
-    ingress._live = LiveUpdates("Ingress")  # starting: the update applies unchecked
-    ingress.__dict__.update(_config={"model": {"device": "cpu", "dtype": "float32"},
-                                     "acceleration": {"cfg_gate_step": 0.5}}, _loras={}, _limits=None,
-                            _defaults=AccelerationDefaults())
-    asyncio.run(ingress.reconfigure({"acceleration": {"enable_cache_dit": True,
-                                                      "cache_dit_params": {"max_warmup_steps": 50}}}))
-    assert ingress._defaults.enable_cache_dit and ingress._live.refused is None
-    ingress._live.started()
-    ingress._model_known(ServingLimits("tiny-flux", 8, 64, 64, 16, 3.5, num_blocks=10))
-    assert "acceleration.cache_dit_params does not fit the model and its limits.default_steps: " \
-           "cache_dit_params.max_warmup_steps must be at most num_inference_steps (16), got 50" \
-           in ingress._live.refused["error"]
-    assert ingress._defaults == AccelerationDefaults(cfg_gate_fraction=0.5)  # args'
-    ingress._model_known(ingress._limits)  # args' defaults fit: nothing more is refused
-    assert ingress._defaults == AccelerationDefaults(cfg_gate_fraction=0.5)
-
-
 @pytest.mark.parametrize("update, problem", [
     ({"lorass": {"late": {}}}, "user_config has no lorass (it takes loras)"),
     ({"loras": [{"name": "late"}]}, "user_config.loras must be a mapping"),
