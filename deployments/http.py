@@ -434,19 +434,21 @@ def query_params(request: Request, accepted: tuple[str, ...]) -> dict[str, str]:
 def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None,
                   field: str = "api_keys") -> tuple[str, ...]:
     """The accepted API keys: one per line (or comma-separated) in environment variable
-    ``api_keys_env`` and in file ``api_keys_file``; ``#`` starts a comment that runs to the end
-    of its line (helper-59: a file's ``# API keys`` header made ``#`` and ``API`` keys). Raises
-    ``ValueError`` naming ``auth.<field>_env`` / ``auth.<field>_file`` when a source is
-    configured but yields no key (an open server by mistake)."""
+    ``api_keys_env`` and in file ``api_keys_file``; a ``#`` at the start of a line or after a
+    space starts a comment to the end of the line (helper-59: a file's ``# API keys`` header made
+    ``#`` and ``API`` keys), as in a shell or YAML, so a key may hold ``#`` (helper-61:
+    ``sk-abc#123`` was cut to ``sk-abc``). Raises ``ValueError`` naming ``auth.<field>_env`` /
+    ``auth.<field>_file`` when a source is configured but yields no key (an open server by mistake)."""
 
     def split(text: str) -> list[str]:
-        return [k for line in text.splitlines() for k in re.split(r"[\s,]+", line.split("#", 1)[0]) if k]
+        return [k for line in text.splitlines() for k in re.split(r"[\s,]+", re.sub(r"(^|\s)#.*", "", line)) if k]
 
     keys: list[str] = []
     if api_keys_env is not None:
         found = split(os.environ.get(api_keys_env, ""))
         if not found:  # unset, empty, or separators only (",")
-            raise ValueError(f"auth.{field}_env names {api_keys_env}, which is unset or holds no key in the "
+            raise ValueError(f"auth.{field}_env names {api_keys_env}, which is unset or holds no key (# comments "
+                             "aside) in the "
                              "Ingress replica's environment: Ray gives replicas the environment of their Ray node "
                              "(where `ray start` ran on it, or the `serve run` / `ditserve serve` that started a "
                              f"local cluster), not the deploying shell's; set {api_keys_env} on every node, or in "
@@ -458,7 +460,7 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
             raise ValueError(f"auth.{field}_file {api_keys_file} is not a readable file")
         found = split(path.read_text())
         if not found:
-            raise ValueError(f"auth.{field}_file {api_keys_file} holds no key")
+            raise ValueError(f"auth.{field}_file {api_keys_file} holds no key (# comments aside)")
         keys += found
     return tuple(keys)
 

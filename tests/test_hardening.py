@@ -245,14 +245,16 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
     (tmp_path / "keys").write_text("k4\n")
     assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
     # comments are not keys (helper-59: "Bearer API" authenticated with a "# API keys" header line)
-    (tmp_path / "commented").write_text("# ditserve API keys (one per line)\nsk-prod-1  # the web app\n\n#sk-old\n")
-    monkeypatch.setenv("DITSERVE_COMMENTED", "sk-a # first, sk-b\nsk-c")
-    assert load_api_keys("DITSERVE_COMMENTED", str(tmp_path / "commented")) == ("sk-a", "sk-c", "sk-prod-1")
+    (tmp_path / "commented").write_text("# ditserve API keys (one per line)\nsk-prod-1  # the web app\n\n#sk-old\n"
+                                        "sk-abc#123\n")  # a '#' inside a key is the key's (helper-61: cut short)
+    monkeypatch.setenv("DITSERVE_COMMENTED", "sk-a # first, sk-b\nsk-c,#sk-d")
+    assert load_api_keys("DITSERVE_COMMENTED", str(tmp_path / "commented")) == ("sk-a", "sk-c", "#sk-d", "sk-prod-1",
+                                                                                  "sk-abc#123")
     for blank in (" ", ",", " ,\n, ", "# keys go here\n"):  # separators only served with auth off, saying nothing
         monkeypatch.setenv("DITSERVE_EMPTY", blank)
-        with pytest.raises(ValueError, match="^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no "
-                                             "key in the Ingress replica's environment: Ray gives replicas the "
-                                             "environment of their Ray node"):
+        with pytest.raises(ValueError, match=r"^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no key "
+                                             r"\(# comments aside\) in the Ingress replica's environment: Ray gives "
+                                             "replicas the environment of their Ray node"):
             load_api_keys("DITSERVE_EMPTY")
         with pytest.raises(ValueError, match="^auth.batch_api_keys_env names DITSERVE_EMPTY, "):  # was api_keys_env
             load_api_keys("DITSERVE_EMPTY", field="batch_api_keys")
