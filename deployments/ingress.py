@@ -530,7 +530,7 @@ class Ingress:
     async def http_models(self):
         return await self.models()
 
-    @api.get("/v1/models/{model_id:path}", dependencies=NO_QUERY)
+    @api.get("/v1/models/{model_id}", dependencies=NO_QUERY)
     async def http_model(self, model_id: str):
         """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the entry of
         ``GET /v1/models`` with that id, else a 404 naming the served ones."""

@@ -110,6 +110,8 @@ def test_models_health_and_stats(url):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-image-1")
     assert info.value.body["code"] == "model_not_found" and "available: 'tiny-flux'" in info.value.body["message"]
+    for path in ("/v1/models/", "/v1/models/tiny-flux/"):  # a trailing slash: redirected (helper-61: a 404 for '')
+        assert httpx.get(f"{url}{path}", follow_redirects=True).status_code == 200, path
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     stats = httpx.get(f"{url}/v1/stats").json()
     assert stats["router"]["counters"]["batches"] >= 1
