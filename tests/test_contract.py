@@ -250,6 +250,10 @@ def test_a_value_of_the_wrong_type_is_answered_with_the_fields_allowed_values():
                                                               "list, got 'x'; allowed: a list of integers")]
     for body, words in cases:
         assert reasons_video(body).message.startswith(words), body
+    # the count of problems left out is of distinct ones (helper-61: pydantic's raw errors were counted)
+    bad = {field: True for field in ("n", "seed", "size", "user", "negative_prompt", "num_inference_steps",
+                                     "guidance_scale", "cfg_gate_step", "timeout_s")}
+    assert reasons({"prompt": "a", **bad}).message.endswith("; and 1 more problems")
 
 
 def reasons_video(body: dict) -> InvalidRequestError:

@@ -225,7 +225,8 @@ class GenerationRequest(BaseModel):
         "enable_cache_dit": "true or false",
         "cache_dit_params": "an object of Cache-DiT knobs: " + ", ".join(CacheDiTParams.model_fields),
         "cfg_gate_step": "a number in (0, 1] (1.0: no gating)",
-        "attention_backend_override": lambda limits: f"one of {', '.join(kernel_names())}",
+        "attention_backend_override": lambda limits: "one of " + ", ".join(  # those that run here (helper-61)
+            k for k in kernel_names() if not limits.attention_rejections.get(k)),
         "timeout_s": "a number of seconds > 0 and <= {limits.max_timeout_s:g}",
         "priority": f"one of {', '.join(Priority)}",
         "lora": 'a list of at most {limits.max_loras} objects {{"name": adapter, "scale": number}}',
@@ -458,6 +459,24 @@ def named_field(model: type[BaseModel], loc: tuple) -> tuple[type[BaseModel], st
     return owner, name, tuple(path)
 
 
+def one_per_union(errors: list[dict], model: type[BaseModel]) -> list[dict]:
+    """``errors`` with one error per field whose union type's members each failed, the first
+    (its input the whole value; helper-61: ``image: [1, 2]`` was described three times, as
+    ``image``, ``image.0`` and ``image.1``)."""
+    kept, seen = [], set()
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        _, _, path = named_field(model, loc)
+        if error.get("type") not in OWN_ERRORS and path != loc:  # a union member's error (not an unknown key's)
+            while path and isinstance(path[-1], int):
+                path = path[:-1]
+            if path in seen:
+                continue
+            seen.add(path)
+        kept.append(error)
+    return kept
+
+
 def describe_error(error: dict, model: type[BaseModel], limits: ServingLimits | None = None) -> tuple[str, str]:
     """One pydantic error → ``(top-level field, message naming the field's dotted path)``; with
     ``limits``, pydantic's own errors also name what the field takes (``allowed_text``; helper-59:
@@ -539,11 +558,12 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
     try:
         request = model_class.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        errors = exc.errors(include_url=False) + checks_across_fields(model_class, body, exc, limits)
-        described = list(dict.fromkeys(describe_error(e, model_class, limits) for e in errors[:MAX_ERRORS_LISTED]))
-        message = "; ".join(m for _, m in described)
-        if len(errors) > MAX_ERRORS_LISTED:
-            message += f"; and {len(errors) - MAX_ERRORS_LISTED} more problems"
+        errors = one_per_union(exc.errors(include_url=False), model_class) + checks_across_fields(
+            model_class, body, exc, limits)  # (as many as check_shape lets a body hold)
+        described = list(dict.fromkeys(describe_error(e, model_class, limits) for e in errors))
+        message = "; ".join(m for _, m in described[:MAX_ERRORS_LISTED])
+        if len(described) > MAX_ERRORS_LISTED:
+            message += f"; and {len(described) - MAX_ERRORS_LISTED} more problems"
         raise InvalidRequestError(message, param=described[0][0], code="invalid_value") from None
     check_loras(request, model_adapter(request.model, limits), limits)  # also a model given in extra_body
     return request
