@@ -227,7 +227,7 @@ def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
             batching_update(config.batching.model_dump(), user_config)
         elif name == "Ingress":
             ingress_update(user_config, config.acceleration.model_dump(), config.model.device, config.model.dtype,
-                           config.parallel.ring_degree)
+                           config.parallel.ring_degree, config.limits.default_steps)
         elif name == "DiTReplica":
             lora_registry(user_config.get("loras") or {})
     except ValidationError as exc:

@@ -669,15 +669,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _default_knobs(self):
-        """Default Cache-DiT knobs on by default must fit ``limits.default_steps``, which needs
-        no model (its blocks are checked by the Ingress once the model is known: a request
-        running knobs past them is a 400 naming the server's default)."""
-        from pipeline.contract.limits import ServingLimits
-        from pipeline.sampling import AccelerationDefaults
-
-        steps = self.limits.default_steps
-        problem = AccelerationDefaults.from_config(self.acceleration.model_dump()).cache_dit_problem(
-            ServingLimits(self.model.name, 1, 1, 1, steps, 0.0), model_known=False)
+        problem = default_knobs_problem(self.acceleration, self.limits.default_steps)
         if problem:
             raise ValueError(problem)
         return self
@@ -734,15 +726,16 @@ def check_user_config_shape(name: str, user_config) -> None:
 REPLICA_STARTUP_FIELDS = ("torch_compile", "compile_backend", "warmup")
 
 
-def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtype: str,
-                   ring_degree: int) -> tuple["AccelerationConfig | None", dict[str, LoraEntry] | None]:
+def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtype: str, ring_degree: int,
+                   default_steps: int) -> tuple["AccelerationConfig | None", dict[str, LoraEntry] | None]:
     """The Ingress's ``user_config`` update, checked: ``(acceleration, loras)``, each None when
     the update leaves it alone. ``user_config`` is ``{"acceleration": {...}, "loras": {...}}``
     or a dict of acceleration fields alone (the older form); an acceleration field it leaves
     out keeps ``args``' value (``args_acceleration``); the default kernel must run on
     ``device`` / ``dtype`` / ``ring_degree`` and stay ``args``' under ring attention or
     torch.compile (a request may not switch it there either); the replicas' startup fields
-    (``REPLICA_STARTUP_FIELDS``) stay ``args``'. Raises ``ValueError`` (pydantic's
+    (``REPLICA_STARTUP_FIELDS``) stay ``args``'; default Cache-DiT knobs must fit
+    ``default_steps`` (helper-62: a user_config's passed unchecked until the model was known). Raises ``ValueError`` (pydantic's
     ``ValidationError`` for a bad field) naming what is wrong, also a key beside the nested
     form or a section that is not a mapping (``check_user_config_shape``)."""
     check_user_config_shape("Ingress", user_config)
@@ -751,7 +744,8 @@ def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtyp
     acceleration = loras = None
     if "acceleration" in user_config:
         acceleration = AccelerationConfig.model_validate({**args_acceleration, **(user_config["acceleration"] or {})})
-        problem = default_kernel_problem(acceleration.attention_backend, device, dtype, ring_degree)
+        problem = (default_kernel_problem(acceleration.attention_backend, device, dtype, ring_degree)
+                   or default_knobs_problem(acceleration, default_steps))
         if problem:
             raise ValueError(problem)
         started = AccelerationConfig.model_validate(args_acceleration)
@@ -768,6 +762,17 @@ def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtyp
     if "loras" in user_config:
         loras = lora_registry(user_config["loras"] or {})
     return acceleration, loras
+
+
+def default_knobs_problem(acceleration: "AccelerationConfig", default_steps: int) -> str | None:
+    """Why default Cache-DiT knobs do not fit ``limits.default_steps`` (None: they do), which
+    needs no model; their fit to the model's blocks is the Ingress's once it knows the model (a
+    request running knobs past them is a 400 naming the server's default)."""
+    from pipeline.contract.limits import ServingLimits
+    from pipeline.sampling import AccelerationDefaults
+
+    return AccelerationDefaults.from_config(acceleration.model_dump()).cache_dit_problem(
+        ServingLimits("", 1, 1, 1, default_steps, 0.0), model_known=False)
 
 
 def default_kernel_problem(name: str | None, device: str, dtype: str, ring_degree: int) -> str | None:

@@ -244,7 +244,8 @@ class Ingress:
     def _apply_user_config(self, user_config: dict) -> None:
         model, parallel = self._config["model"], self._config.get("parallel") or {}
         acceleration, loras = ingress_update(user_config, self._config.get("acceleration") or {}, model["device"],
-                                             model["dtype"], int(parallel.get("ring_degree", 1)))
+                                             model["dtype"], int(parallel.get("ring_degree", 1)),
+                                             self._config["limits"]["default_steps"])
         if acceleration is not None:
             defaults = AccelerationDefaults.from_config(acceleration.model_dump())
             problem = defaults.cache_dit_problem(self._limits) if self._limits is not None else None  # model known

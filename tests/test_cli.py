@@ -857,6 +857,9 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a["args"].update(acceleration={"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 50}}),
      "acceleration.cache_dit_params does not fit limits.default_steps: cache_dit_params.max_warmup_steps must be at "
      "most num_inference_steps (16), got 50"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"acceleration": {
+        "enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 50}}}}]),
+     "Ingress's user_config: acceleration.cache_dit_params does not fit limits.default_steps"),
     (lambda c, a: c["http_options"].update(port="eighty"), "http_options.port: Input should be a valid integer"),
     (lambda c, a: c["http_options"].update(port=99999), "cannot listen on port 99999: a port is 1-65535"),
     # helper-48: port 0 passed, and serve printed http://127.0.0.1:0 while Serve listened elsewhere

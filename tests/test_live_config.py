@@ -68,6 +68,10 @@ def _running(cls, **attributes):
     ({"acceleration": [1]}, "user_config.acceleration must be a mapping"),
     ({"acceleration": "fast"}, "user_config.acceleration must be a mapping"),
     ({"loras": ["magenta"]}, "user_config.loras must be a mapping"),
+    # before the model is known: default knobs past limits.default_steps (helper-62: taken unchecked)
+    ({"acceleration": {"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 50}}},
+     "acceleration.cache_dit_params does not fit limits.default_steps: cache_dit_params.max_warmup_steps must be at "
+     "most num_inference_steps (12), got 50"),
 ])
 def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, problem):
     """A live ``serve deploy`` of the Ingress's ``user_config`` gets the config file's checks: a
@@ -79,6 +83,7 @@ def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, p
 
     defaults = AccelerationDefaults.from_config(AccelerationConfig(cfg_gate_step=0.5).model_dump())
     ingress = _running(Ingress.func_or_class, _config={"model": {"device": "cpu", "dtype": "float32"},
+                                                       "limits": {"default_steps": 12},
                                                        "acceleration": {"cfg_gate_step": 0.5}},
                        _defaults=defaults, _loras={"magenta": {}}, _limits=None)
     asyncio.run(ingress.reconfigure(update))
@@ -105,7 +110,7 @@ def test_a_live_ingress_update_with_a_key_it_would_not_read_is_refused(update, p
      "cache_dit_params.max_continuous_cached_steps must be -1 (no limit) or at least 1, got 0"),
     # on by default, the knobs run every request that leaves out num_inference_steps (12 here)
     ({}, {}, {"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 12}},
-     "and its limits.default_steps: cache_dit_params.max_warmup_steps (12) must be below the 12 steps that run"),
+     "limits.default_steps: cache_dit_params.max_warmup_steps (12) must be below the 12 steps that run"),
     ({}, {}, {"enable_cache_dit": True}, ""),  # cache-dit's own defaults fit 12 steps: taken (below)
 ])
 def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, parallel, update, problem):
@@ -124,6 +129,7 @@ def test_a_live_ingress_update_the_replicas_would_not_follow_is_refused(args, pa
     defaults = AccelerationDefaults.from_config(started)
     limits = ServingLimits("tiny-flux", 8, 64, 64, 12, 3.5, num_blocks=10)
     ingress = _running(Ingress.func_or_class, _config={"model": {"device": "cpu", "dtype": "float32"},
+                                                       "limits": {"default_steps": 12},
                                                        "parallel": parallel, "acceleration": started},
                        _defaults=defaults, _loras={}, _limits=limits)
     asyncio.run(ingress.reconfigure({"acceleration": update}))
