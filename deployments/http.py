@@ -434,14 +434,15 @@ def query_params(request: Request, accepted: tuple[str, ...]) -> dict[str, str]:
 def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = None,
                   field: str = "api_keys") -> tuple[str, ...]:
     """The accepted API keys: one per line (or comma-separated) in environment variable
-    ``api_keys_env`` and in file ``api_keys_file``; a ``#`` at the start of a line or after a
-    space starts a comment to the end of the line (helper-59: a file's ``# API keys`` header made
-    ``#`` and ``API`` keys), as in a shell or YAML, so a key may hold ``#`` (helper-61:
-    ``sk-abc#123`` was cut to ``sk-abc``). Raises ``ValueError`` naming ``auth.<field>_env`` /
+    ``api_keys_env`` and in file ``api_keys_file`` (UTF-8, a byte-order mark ignored); a ``#``
+    at the start of a line or after a space or comma starts a comment to the end of the line
+    (helper-59: a file's ``# API keys`` header made ``#`` and ``API`` keys; helper-62: after a
+    comma, and after a byte-order mark, it still did), so a key may hold ``#`` past its first
+    character (helper-61: ``sk-abc#123`` was cut to ``sk-abc``). Raises ``ValueError`` naming ``auth.<field>_env`` /
     ``auth.<field>_file`` when a source is configured but yields no key (an open server by mistake)."""
 
     def split(text: str) -> list[str]:
-        return [k for line in text.splitlines() for k in re.split(r"[\s,]+", re.sub(r"(^|\s)#.*", "", line)) if k]
+        return [k for line in text.splitlines() for k in re.split(r"[\s,]+", re.sub(r"(^|[\s,])#.*", "", line)) if k]
 
     keys: list[str] = []
     if api_keys_env is not None:
@@ -458,7 +459,7 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
         path = Path(api_keys_file)
         if not path.is_file():
             raise ValueError(f"auth.{field}_file {api_keys_file} is not a readable file")
-        found = split(path.read_text())
+        found = split(path.read_text(encoding="utf-8-sig"))
         if not found:
             raise ValueError(f"auth.{field}_file {api_keys_file} holds no key (# comments aside)")
         keys += found

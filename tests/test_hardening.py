@@ -245,11 +245,12 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
     (tmp_path / "keys").write_text("k4\n")
     assert load_api_keys("DITSERVE_TEST_KEYS", str(tmp_path / "keys")) == ("k1", "k2", "k3", "k4")
     # comments are not keys (helper-59: "Bearer API" authenticated with a "# API keys" header line)
-    (tmp_path / "commented").write_text("# ditserve API keys (one per line)\nsk-prod-1  # the web app\n\n#sk-old\n"
-                                        "sk-abc#123\n")  # a '#' inside a key is the key's (helper-61: cut short)
+    (tmp_path / "commented").write_text("\ufeff# ditserve API keys (one per line)\nsk-prod-1  # the web app\n\n"
+                                        "#sk-old\nsk-abc#123\nsk-real,# old key sk-gone\n",  # a BOM, then a header
+                                        encoding="utf-8")  # a '#' inside a key is the key's (helper-61: cut short)
     monkeypatch.setenv("DITSERVE_COMMENTED", "sk-a # first, sk-b\nsk-c,#sk-d")
-    assert load_api_keys("DITSERVE_COMMENTED", str(tmp_path / "commented")) == ("sk-a", "sk-c", "#sk-d", "sk-prod-1",
-                                                                                  "sk-abc#123")
+    assert load_api_keys("DITSERVE_COMMENTED", str(tmp_path / "commented")) == ("sk-a", "sk-c", "sk-prod-1",
+                                                                                  "sk-abc#123", "sk-real")
     for blank in (" ", ",", " ,\n, ", "# keys go here\n"):  # separators only served with auth off, saying nothing
         monkeypatch.setenv("DITSERVE_EMPTY", blank)
         with pytest.raises(ValueError, match=r"^auth.api_keys_env names DITSERVE_EMPTY, which is unset or holds no key "
