@@ -57,7 +57,8 @@ class ImageEditRequest(ImageGenerationRequest):
         "mask", "strength", "num_inference_steps", "cache_dit_params"}  # _mode's
 
     ALLOWED: ClassVar[dict[str, Any]] = {
-        "size": ImageGenerationRequest.ALLOWED["size"] + " (the image's own size)",
+        "size": '"WIDTHxHEIGHT" in pixels, each a multiple of {limits.spatial_factor}, at most {limits.max_pixels} '
+                'pixels, or "auto" (default: the image\'s own size)',  # (helper-62: it said default 64x64)
         "image": "an image file (PNG, JPEG or WebP), or a list of at most {limits.max_input_images}",
         "mask": "a PNG file of the image's size, its fully transparent pixels to repaint",
         "strength": "a number in (0, 1]",
