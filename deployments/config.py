@@ -735,7 +735,8 @@ def ingress_update(user_config: dict, args_acceleration: dict, device: str, dtyp
     ``device`` / ``dtype`` / ``ring_degree`` and stay ``args``' under ring attention or
     torch.compile (a request may not switch it there either); the replicas' startup fields
     (``REPLICA_STARTUP_FIELDS``) stay ``args``'; default Cache-DiT knobs must fit
-    ``default_steps`` (helper-62: a user_config's passed unchecked until the model was known). Raises ``ValueError`` (pydantic's
+    ``default_steps`` (helper-62: a user_config's passed unchecked until the model was known).
+    Raises ``ValueError`` (pydantic's
     ``ValidationError`` for a bad field) naming what is wrong, also a key beside the nested
     form or a section that is not a mapping (``check_user_config_shape``)."""
     check_user_config_shape("Ingress", user_config)

@@ -854,7 +854,8 @@ def _tiny_cpu_config(mutate) -> dict:
      "error: bad config: deployments: the Ingress's and DiTReplica's adapter registries (user_config.loras, else "
      "model.loras) differ at x: give both the same loras"),
     # default Cache-DiT knobs past limits.default_steps deployed, then refused every request running them (helper-60)
-    (lambda c, a: a["args"].update(acceleration={"enable_cache_dit": True, "cache_dit_params": {"max_warmup_steps": 50}}),
+    (lambda c, a: a["args"].update(acceleration={"enable_cache_dit": True,
+                                                 "cache_dit_params": {"max_warmup_steps": 50}}),
      "acceleration.cache_dit_params does not fit limits.default_steps: cache_dit_params.max_warmup_steps must be at "
      "most num_inference_steps (16), got 50"),
     (lambda c, a: a.update(deployments=[{"name": "Ingress", "user_config": {"acceleration": {
