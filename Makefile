@@ -19,7 +19,7 @@ demo: venv
 	$(VENV)/bin/ditserve demo -o out/demo.png
 
 test: venv browser
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
