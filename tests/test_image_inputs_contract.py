@@ -201,6 +201,16 @@ def test_a_progressive_jpeg_scan_bomb_is_refused_before_decoding():
     bomb = base[:-2] + b"\xff\xda" * (MAX_JPEG_SCANS + 1) + base[-2:]  # SOS markers beyond any real JPEG's
     error = refused({"image": bomb})
     assert error.param == "image" and "scans" in str(error)
+    # a JPEG with an MPF header (phones write one) opens as Pillow's "MPO": the bound held for
+    # "JPEG" alone (helper-63)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(buf, format="MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    base = buf.getvalue()
+    assert Image.open(io.BytesIO(base)).format == "MPO"
+    edit({"image": base})  # a real one is taken
+    end = base.index(b"\xff\xd9")  # the first picture's end
+    error = refused({"image": base[:end] + b"\xff\xda" * (MAX_JPEG_SCANS + 1) + base[end:]})
+    assert error.param == "image" and "scans" in str(error)
 
 
 def test_only_fully_transparent_mask_pixels_are_repainted():

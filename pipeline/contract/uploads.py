@@ -53,7 +53,9 @@ def open_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
         if width * height > max_pixels:
             raise _bad(field, f"image is {width}x{height} ({width * height} pixels); at most {max_pixels} "
                               "pixels are accepted (limits.max_input_pixels)", code="image_too_large")
-        if image.format == "JPEG" and data.count(b"\xff\xda") > MAX_JPEG_SCANS:  # SOS markers (0xFF is stuffed elsewhere)
+        # SOS markers (0xFF is stuffed elsewhere); Pillow names a JPEG with an MPF header (phones
+        # write one) "MPO" (helper-63: such a scan bomb passed)
+        if image.format in ("JPEG", "MPO") and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
             raise _bad(field, f"the JPEG has more than {MAX_JPEG_SCANS} scans; re-encode it (baseline or progressive)")
         image.load()
         image = ImageOps.exif_transpose(image)  # as displayed
