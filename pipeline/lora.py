@@ -90,25 +90,56 @@ def lora_file(pipe, path: str) -> tuple[dict[str, torch.Tensor], dict | None, di
 
 
 def adapter_problems(transformer: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Why an adapter's (converted) state dict cannot apply to ``transformer``: LoRA targets
-    that are not linear layers of the model, and ``lora_A`` / ``lora_B`` shapes that do not fit
-    the layer's ``(rank, in_features)`` / ``(out_features, rank)``."""
+    """Why an adapter's (converted) state dict cannot apply to ``transformer``, one problem per
+    target layer: LoRA targets that are not linear layers of the model; a ``lora_A`` without its
+    ``lora_B`` or the reverse; weights that are not 2-D floating-point matrices of shapes
+    ``(rank, in_features)`` and ``(out_features, rank)`` with one ``rank``; weights holding NaN
+    or infinity (they turned every image of the requests naming the adapter black, answered
+    200; helper-63 found the other cases failing only at the first request, a 500 each time).
+    A ``lora_B.bias`` (diffusers' ``lora_bias``) is a vector of ``out_features``."""
     modules = dict(transformer.named_modules())
-    problems = []
+    by_target: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
         name = key.removeprefix("transformer.")
         for part in (".lora_A.", ".lora_B."):
-            if part not in name:
-                continue
-            target = modules.get(name.split(part)[0])
-            base = getattr(target, "base_layer", target)
-            if not isinstance(base, torch.nn.Linear):
-                problems.append(f"{name.split(part)[0]} is not a linear layer of the model")
-            elif part == ".lora_A." and value.ndim == 2 and value.shape[1] != base.in_features:
-                problems.append(f"{name}: {tuple(value.shape)} does not fit in_features={base.in_features}")
-            elif part == ".lora_B." and value.ndim == 2 and value.shape[0] != base.out_features:
-                problems.append(f"{name}: {tuple(value.shape)} does not fit out_features={base.out_features}")
+            if part in name:
+                target, rest = name.split(part, 1)
+                by_target.setdefault(target, {})[part.strip(".") + ("_bias" if rest == "bias" else "")] = value
+    problems = []
+    for target, weights in by_target.items():
+        problem = _target_problem(modules.get(target), weights)
+        if problem:
+            problems.append(f"{target}: {problem}")
     return problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else [])
+
+
+def _target_problem(module: torch.nn.Module | None, weights: dict[str, torch.Tensor]) -> str | None:
+    """Why one target layer's LoRA weights (``lora_A``, ``lora_B``, maybe ``lora_B_bias``)
+    cannot apply to ``module`` (None: they can)."""
+    base = getattr(module, "base_layer", module)
+    if not isinstance(base, torch.nn.Linear):
+        return "not a linear layer of the model"
+    if "lora_A" not in weights or "lora_B" not in weights:
+        given, missing = ("lora_A", "lora_B") if "lora_A" in weights else ("lora_B", "lora_A")
+        return f"has {given} without {missing}"
+    for kind, value in weights.items():
+        if not value.is_floating_point():
+            return f"{kind} is {str(value.dtype).removeprefix('torch.')}, not floating point"
+        if not torch.isfinite(value).all():
+            return f"{kind} holds NaN or infinite values"
+    down, up = weights["lora_A"], weights["lora_B"]
+    if down.ndim != 2 or up.ndim != 2:
+        return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} must be matrices"
+    if down.shape[1] != base.in_features:
+        return f"lora_A {tuple(down.shape)} does not fit in_features={base.in_features}"
+    if up.shape[0] != base.out_features:
+        return f"lora_B {tuple(up.shape)} does not fit out_features={base.out_features}"
+    if up.shape[1] != down.shape[0]:
+        return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} have different ranks"
+    bias = weights.get("lora_B_bias")
+    if bias is not None and tuple(bias.shape) != (base.out_features,):
+        return f"lora_B.bias {tuple(bias.shape)} does not fit out_features={base.out_features}"
+    return None
 
 
 def lora_rank(state_dict: dict[str, torch.Tensor]) -> int:

@@ -248,17 +248,67 @@ def test_any_failure_while_switching_leaves_the_base_model(monkeypatch):
     assert np.array_equal(runner.denoise(batch_of(_p(1, magenta))).images[0], want)
 
 
-def test_incompatible_adapter_is_refused_at_registration(tmp_path):
+def _saved(tmp_path, change) -> str:
+    """The embedded magenta adapter with ``change(state)`` applied to its state dict, saved with
+    diffusers; its directory."""
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
 
     state = load_file(f"{MAGENTA}/pytorch_lora_weights.safetensors")
-    key = next(k for k in state if k.endswith("to_q.lora_A.weight"))
-    wrong = {**state, key: torch.zeros(state[key].shape[0], state[key].shape[1] + 3)}
+    change(state)
     FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers={k.removeprefix("transformer."): v
-                                                                        for k, v in wrong.items()})
+                                                                        for k, v in state.items()})
+    return str(tmp_path)
+
+
+def _first(state, suffix):
+    return next(k for k in state if k.endswith(suffix))
+
+
+def _widen_input(state):
+    key = _first(state, "to_q.lora_A.weight")
+    state[key] = torch.zeros(state[key].shape[0], state[key].shape[1] + 3)
+
+
+def test_incompatible_adapter_is_refused_at_registration(tmp_path):
     with pytest.raises(ValueError, match=r"model.loras.bad .* does not fit the model: .*in_features"):
-        BatchRunner("tiny-flux", loras={"bad": str(tmp_path)})
+        BatchRunner("tiny-flux", loras={"bad": _saved(tmp_path, _widen_input)})
+
+
+def _put(suffix, make):
+    def change(state):
+        key = _first(state, suffix)
+        state[key] = make(state[key])
+    return change
+
+
+def _drop(suffix):
+    def change(state):
+        del state[_first(state, suffix)]
+    return change
+
+
+# helper-63: each of these passed registration and failed every request naming it (a 500), and
+# NaN weights answered every such request with a black image (200)
+BROKEN = {
+    "ranks differ": (_put("to_q.lora_B.weight", lambda w: torch.zeros(w.shape[0], w.shape[1] * 2)), "different ranks"),
+    "1-D": (_put("to_q.lora_A.weight", lambda w: w.flatten()), "must be matrices"),
+    "3-D": (_put("to_q.lora_B.weight", lambda w: w[None]), "must be matrices"),
+    "lora_A only": (_drop("to_q.lora_B.weight"), "has lora_A without lora_B"),
+    "int32": (_put("to_q.lora_A.weight", lambda w: w.to(torch.int32)), "lora_A is int32, not floating point"),
+    "NaN": (_put("to_q.lora_B.weight", lambda w: w * float("nan")), "lora_B holds NaN or infinite values"),
+    "infinity": (_put("to_k.lora_A.weight", lambda w: w / 0.0), "lora_A holds NaN or infinite values"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_an_adapter_whose_weights_cannot_apply_is_refused_at_registration(tmp_path, runner, case):
+    change, problem = BROKEN[case]
+    path = _saved(tmp_path, change)
+    with pytest.raises(ValueError, match=r"model.loras.broken .* does not fit the model: .*") as refused:
+        runner.lora.check("broken", path)
+    assert problem in str(refused.value)
+    runner.lora.check("fine", _saved(tmp_path / "fine", lambda state: None))  # the unchanged adapter fits
 
 
 def test_hotswap_under_torch_compile_never_recompiles():
