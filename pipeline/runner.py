@@ -12,12 +12,13 @@ import logging
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from compat import torch as torch_compat
 from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import (BatchCancelled, InvalidRequestError, LoraLoadError, SharedFailure,
+from pipeline.errors import (BatchCancelled, InternalError, InvalidRequestError, LoraLoadError, SharedFailure,
                              record_dropped_rows)
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
@@ -502,17 +503,22 @@ class BatchRunner:
         """``run``'s encoding of ``out`` (rank 0): one RequestOutput per request of ``batch``."""
         head = batch.requests[0]
         t0 = time.perf_counter()
+        failures = dict(out.failures or {})
+        for i, samples in enumerate(out.images):
+            if samples is not None and i not in failures and not all(np.isfinite(v).all() for v in samples):
+                failures[i] = ("output", None)  # a NaN decodes to black: answered as a failure, not a black image
+        images = [None if i in failures else samples for i, samples in enumerate(out.images)]
         media = [None if samples is None else
                  [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
                   for v in samples]
-                 for p, samples in zip(batch.requests, out.images, strict=True)]
+                 for p, samples in zip(batch.requests, images, strict=True)]
         thumbnails = [None if samples is None or not video else [encode_image(v[0], THUMBNAIL_FORMAT, 90)
                                                                  for v in samples]
-                      for samples in out.images]
+                      for samples in images]
         encode_ms = (time.perf_counter() - t0) * 1e3
         report = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
-        failures, dropped = out.failures or {}, out.dropped or {}
+        dropped = out.dropped or {}
         outputs = []
         for i, (p, items) in enumerate(zip(batch.requests, media, strict=True)):
             # its own cfg_gate_step: batch-mates' fractions may differ where they gate at one step
@@ -521,6 +527,12 @@ class BatchRunner:
             if i in dropped:
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration,
                                              dropped_at_step=dropped[i]))
+            elif i in failures and failures[i][0] == "output":
+                error = InternalError(
+                    f"the model's output for request {p.request_id} holds NaN or infinite values (a numerical "
+                    f"overflow, or an adapter's weights); the other requests of its batch ran",
+                    code="non_finite_output", request_id=p.request_id)
+                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             elif i in failures:
                 field, exc = failures[i]
                 error = InvalidRequestError(

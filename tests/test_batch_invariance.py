@@ -117,3 +117,29 @@ def test_values_that_run_alike_batch_together_each_as_alone():
             assert np.abs(pixels(out.images[0]) - pixels(alone.images[0])).max() <= 1  # the pre-rounding tolerance
             assert out.acceleration.cfg_gate.gate_step == p.cfg_gate_fraction
             assert out.acceleration.cfg_gate.reused_steps == (5 if p.guided else 0)  # gated after step 1 of 6
+
+
+def test_a_non_finite_output_fails_its_request_alone(monkeypatch):
+    """A request whose decoded output holds NaN (fp16 overflow, a broken adapter) gets a 500
+    naming it; encoded as it was, NaN became black pixels answered 200 (helper-63). Its
+    batch-mates keep their images."""
+    from pipeline.runner import BatchRunner
+    from tests.helpers import batch_of, pixels
+
+    runner = BatchRunner("tiny-flux")
+    requests = [params("a red circle", 3), params("a blue square", 4), params("a green star", 5)]
+    fine = runner.run(batch_of(*requests))
+    decode = runner.family.decode
+
+    def poisoned(*args, **kwargs):
+        images = decode(*args, **kwargs)
+        images[1][0, 0, 0] = np.nan  # one value of the second request's image
+        return images
+
+    monkeypatch.setattr(runner.family, "decode", poisoned)
+    outputs = runner.run(batch_of(*requests))
+    error = outputs[1].error
+    assert error is not None and error.code == "non_finite_output" and outputs[1].images == []
+    assert requests[1].request_id in error.message and error.to_envelope()["error"]["type"] == "server_error"
+    for i in (0, 2):
+        assert outputs[i].error is None and np.array_equal(pixels(outputs[i].images[0]), pixels(fine[i].images[0]))
