@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -196,7 +197,10 @@ def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict
     given = entry.get("autoscaling_config")
     if name == "DiTReplica" and entry.get("num_replicas") == "auto" and given is None:
         given = {}  # Serve's "auto" defaults, scaling on the Router's queue like an entry naming no policy
-    if name != "DiTReplica" or not isinstance(given, dict) or given.get("policy") is not None:
+    if name != "DiTReplica" or not isinstance(given, dict):
+        return entry
+    if given.get("policy") is not None:
+        _check_policy(given)
         return entry
     target = given.get("target_queued_per_replica")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
@@ -207,6 +211,25 @@ def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict
         target = config.replica.autoscaling.target_queued_per_replica
     fields = {k: v for k, v in given.items() if k != "policy"}
     return {**entry, "autoscaling_config": autoscaling_config(fields, target or config.batching.max_batch_size)}
+
+
+def _check_policy(given: dict) -> None:
+    """Raise ``ValueError`` where Serve's controller could not make an ``autoscaling_config``'s
+    ``policy``: a class policy (``RouterQueuePolicy`` among them) is made once, from its
+    ``policy_kwargs``, as Serve makes it (``_resolve_policy_callable``); raising there, it left
+    the controller retrying every 100 ms and the deploy never ending (helper-64). A
+    ``target_queued_per_replica`` beside a policy was dropped without a word: refused."""
+    if "target_queued_per_replica" in given:
+        raise ValueError("deployments: DiTReplica's autoscaling_config gives target_queued_per_replica and a policy; "
+                         "give one: target_queued_per_replica is ditserve's policy's (RouterQueuePolicy's) target")
+    policy = AutoscalingConfig(**given).policy
+    made = policy.get_policy()
+    if inspect.isclass(made):
+        try:
+            made(**policy.policy_kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever the policy's constructor raises, Serve's would too
+            raise ValueError(f"deployments: DiTReplica's autoscaling_config.policy: {made.__name__}(**policy_kwargs) "
+                             f"with policy_kwargs={policy.policy_kwargs!r} raised {type(exc).__name__}: {exc}") from None
 
 
 def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:

@@ -27,6 +27,8 @@ from deployments.handles import router_handle
 # Custom metric names, as DiTReplica reports them and RouterQueuePolicy reads them.
 QUEUED_IMAGES = "router_queued_images"
 QUEUED_REQUESTS = "router_queued_requests"
+# the most replicas the policy asks for (Serve then bounds it by max_replicas)
+MAX_DESIRED_REPLICAS = 1_000_000
 
 
 async def router_queue_stats(app_name: str) -> dict[str, float]:
@@ -63,12 +65,14 @@ class RouterQueuePolicy:
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
         if ctx.current_num_replicas == 0:  # nothing reports the queue without a replica
             return ctx.target_num_replicas, {}
-        reports = (ctx.aggregated_metrics or {}).get(QUEUED_IMAGES) or {}
-        busy = ctx.total_num_requests
+        reports = [v for v in ((ctx.aggregated_metrics or {}).get(QUEUED_IMAGES) or {}).values() if math.isfinite(v)]
+        busy = ctx.total_num_requests if math.isfinite(ctx.total_num_requests) else 0
         if not reports:  # the backlog is unknown (the Router did not answer): hold, never scale down blind
             return max(ctx.target_num_replicas, math.ceil(busy)), {"queued_images": None, "busy": busy}
-        queued = max(reports.values())
-        desired = max(math.ceil(queued / self.target_queued_per_replica), math.ceil(busy))
+        queued = max(reports)
+        # bounded: a tiny target (1e-310) made the ratio infinite, and math.ceil raised on every tick
+        wanted = min(queued / self.target_queued_per_replica, MAX_DESIRED_REPLICAS)
+        desired = max(math.ceil(wanted), math.ceil(busy))
         return desired, {"queued_images": queued, "busy": busy}
 
 

@@ -43,9 +43,42 @@ def _context(queued: dict, busy: float, current: int = 1) -> AutoscalingContext:
     ({"r1": 9.0, "r2": 3.0}, 2, 2, 3),  # the freshest (largest) report of the one Router counts
     ({"r1": 0.0, "r2": 0.0}, 2, 2, 2),  # empty queue but both replicas busy: keep them
     ({"r1": 0.0, "r2": 0.0}, 0.5, 2, 1),
+    ({"r1": float("nan")}, 0, 2, 2),    # a report that is no number is none (helper-64: ValueError each tick)
+    ({"r1": float("inf")}, 0, 2, 2),
+    ({"r1": float("nan"), "r2": 8.0}, 0, 1, 2),
+    ({"r1": 4.0}, float("nan"), 1, 1),  # Serve's own count, should it be NaN, counts no busy replica
 ])
 def test_policy_table(queued, busy, current, desired):
     assert RouterQueuePolicy(target_queued_per_replica=4)(_context(queued, busy, current))[0] == desired
+
+
+def test_a_tiny_target_asks_for_the_most_replicas_not_an_overflow():
+    """helper-64: target 1e-310 made queued / target infinite, and math.ceil raised on every tick."""
+    from deployments.autoscaling import MAX_DESIRED_REPLICAS
+
+    assert RouterQueuePolicy(target_queued_per_replica=1e-310)(_context({"r1": 3.0}, 1))[0] == MAX_DESIRED_REPLICAS
+
+
+POLICY = "deployments.autoscaling:RouterQueuePolicy"
+
+
+@pytest.mark.parametrize("autoscaling, words", [
+    ({"policy": {"policy_function": POLICY}}, "missing 1 required positional argument: 'target_queued_per_replica'"),
+    ({"policy": {"policy_function": POLICY, "policy_kwargs": {"target_queued_per_replica": 0}}}, "finite number > 0"),
+    ({"policy": {"policy_function": POLICY, "policy_kwargs": {"target": 2}}}, "unexpected keyword argument 'target'"),
+    ({"target_queued_per_replica": 8, "policy": {"policy_function": POLICY,
+                                                  "policy_kwargs": {"target_queued_per_replica": 2}}}, "give one"),
+])
+def test_a_policy_serve_could_not_make_is_refused(autoscaling, words):
+    """A DiTReplica ``autoscaling_config.policy`` naming ditserve's policy with missing or bad
+    ``policy_kwargs`` passed ``--check``; Serve's controller then failed to make it every 100 ms
+    and the deploy never ended (helper-64). A target beside a policy was dropped silently."""
+    entry = {"name": "DiTReplica", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, **autoscaling}}
+    with pytest.raises(ValueError, match="autoscaling_config") as refused:
+        bind_app(AUTOSCALE_ARGS, [entry])
+    assert words in str(refused.value)
+    fine = {"policy_function": POLICY, "policy_kwargs": {"target_queued_per_replica": 2}}
+    bind_app(AUTOSCALE_ARGS, [{**entry, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "policy": fine}}])
 
 
 @pytest.mark.parametrize("target", [0, -1, float("nan"), float("inf")])
