@@ -124,6 +124,9 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     if unknown:
         raise CannotStart(f"{path}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
                           "(Ray Serve's config schema has no such field)")
+    problem = _deploy_time_problem(schema)
+    if problem:
+        raise CannotStart(f"{path}: {problem}")
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
              "http_options": schema.http_options.model_dump(),
@@ -134,6 +137,36 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
         raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
     others = [app.name for app in schema.applications if not _is_ditserve(app.import_path)]
     return apps, others
+
+
+def _deploy_time_problem(schema) -> str | None:
+    """What Ray's ``ServeDeploySchema`` (2.60) lets pass and Serve refuses only as it deploys
+    (helper-64: ``--check`` passed both): a ``route_prefix`` Serve's ``validate_route_prefix``
+    refuses (no leading ``/``, a trailing one, a wildcard), and ``runtime_env.env_vars`` that
+    are not strings (Ray's ``RuntimeEnv`` takes ``Dict[str, str]``), of an application or of a
+    deployment's ``ray_actor_options``. None: neither."""
+    from ray.serve._private.utils import validate_route_prefix
+
+    for i, app in enumerate(schema.applications):
+        try:
+            validate_route_prefix(app.route_prefix)
+        except ValueError as exc:
+            return f"applications[{i}].route_prefix: {exc}"
+        envs = [(f"applications[{i}].runtime_env", app.runtime_env)]
+        envs += [(f"applications[{i}].deployments[{j}].ray_actor_options.runtime_env",
+                  (d.model_dump(exclude_unset=True).get("ray_actor_options") or {}).get("runtime_env"))
+                 for j, d in enumerate(app.deployments)]
+        for where, env in envs:
+            env_vars = (env or {}).get("env_vars") if isinstance(env, dict) else None
+            if env_vars is None:
+                continue
+            if not isinstance(env_vars, dict):
+                return f"{where}.env_vars: a mapping of names to strings, got {type(env_vars).__name__}"
+            for name, value in env_vars.items():
+                if not isinstance(name, str) or not isinstance(value, str):
+                    return (f"{where}.env_vars.{name}: Ray takes strings only, got {type(value).__name__} "
+                            f"{value!r}; quote it ('{value}')")
+    return None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

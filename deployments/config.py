@@ -636,6 +636,22 @@ class AuthConfig(_Strict):
     batch_api_keys_env: str | None = None
     batch_api_keys_file: str | None = None
 
+    @field_validator("api_keys_env", "batch_api_keys_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        """An environment variable's name (helper-64: ``""`` passed, and the Ingress never started)."""
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"an environment variable's name (letters, digits and _, not starting with a digit), "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("api_keys_file", "batch_api_keys_file")
+    @classmethod
+    def _file_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("a file's path, got an empty one")
+        return v
+
 
 class AppConfig(_Strict):
     """Everything ``build_app`` needs; unknown keys are errors so a typo never passes."""

@@ -920,6 +920,17 @@ def _tiny_cpu_config(mutate) -> dict:
      "DiTReplica's autoscaling_config.look_back_period_s (5.0) must be greater than metrics_interval_s (10.0)"),
     (lambda c, a: a["args"].update(limits={"default_size": "512x512", "max_pixels": 4096}),
      "default_size 512x512 is 262144 pixels > max_pixels 4096"),
+    # each passed --check; Serve refused it only as it deployed, or the Ingress never started (helper-64)
+    (lambda c, a: a.update(route_prefix="images"), "applications[0].route_prefix: Invalid route_prefix 'images', "
+                                                   "must start with a forward slash"),
+    (lambda c, a: a.update(route_prefix="/images/"), "may not end with a trailing '/'"),
+    (lambda c, a: a.update(runtime_env={"env_vars": {"DITSERVE_API_KEYS": 12345}}),
+     "applications[0].runtime_env.env_vars.DITSERVE_API_KEYS: Ray takes strings only, got int 12345"),
+    (lambda c, a: a.update(deployments=[{"name": "Ingress", "ray_actor_options": {"runtime_env": {
+        "env_vars": {"A": True}}}}]), "deployments[0].ray_actor_options.runtime_env.env_vars.A: Ray takes strings"),
+    (lambda c, a: a["args"].update(auth={"api_keys_env": ""}), "args.auth.api_keys_env: an environment "
+                                                               "variable's name"),
+    (lambda c, a: a["args"].update(auth={"batch_api_keys_file": " "}), "a file's path, got an empty one"),
 ])
 def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
     """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the
