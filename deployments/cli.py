@@ -129,7 +129,7 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
         raise CannotStart(f"{path}: {problem}")
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
-             "http_options": schema.http_options.model_dump(),
+             "http_options": schema.http_options.model_dump(), "runtime_env": app.runtime_env or {},
              "not_applied": [f"applications[{i}].{field}" for field in app.model_dump(exclude_unset=True)
                              if field not in APPLIED_APP_FIELDS]}
             for i, app in enumerate(schema.applications) if _is_ditserve(app.import_path)]
@@ -409,6 +409,29 @@ def _auth_notes(app: dict) -> list[str]:
             notes.append(f"auth.{field}_file {path} is not a file here: the Ingress reads it on its own node, and "
                          "does not start where it is missing")
     return notes
+
+
+DEPLOYMENT_NAMES = ("Ingress", "Router", "DiTReplica")  # the deployments deployments.app binds
+
+
+def _restart_notes(app: dict) -> list[str]:
+    """``--check``'s note on an application ``runtime_env`` whose ``deployments`` section leaves
+    out some of ditserve's deployments: Serve (2.60) merges the application's ``runtime_env``
+    into the ``ray_actor_options`` of the deployments an entry names only, so the first entry
+    naming one later (a ``user_config`` change, which the README says applies live) changes its
+    actor options, and Serve restarts it; a bad ``user_config`` then fails the restarted replicas
+    and the application, where a live update would have been refused with the old settings kept
+    (helper-64)."""
+    if not app.get("runtime_env"):
+        return []
+    named = {entry.get("name") for entry in app.get("deployments") or ()}
+    missing = [name for name in DEPLOYMENT_NAMES if name not in named]
+    if not missing:
+        return []
+    return [f"the application has a runtime_env and its deployments section leaves out {', '.join(missing)}: Serve "
+            "merges the runtime_env into the actor options of the deployments an entry names, so an entry added "
+            "later (a live user_config change) restarts that deployment; list each of "
+            f"{', '.join(DEPLOYMENT_NAMES)} (with just its name) from the first deploy"]
 
 
 def _check_compile_backend(backend: str) -> None:
@@ -1082,7 +1105,7 @@ def _serve_until_stopped(ns) -> int:
                 except CannotStart as exc:
                     raise CannotStart(f"application {app['name']!r}: {exc}" if len(apps) > 1 else str(exc)) from None
             for app in apps:
-                for note in _auth_notes(app):
+                for note in _auth_notes(app) + _restart_notes(app):
                     print(f"note: application {app['name']!r}: {note}", file=sys.stderr, flush=True)
             names = ", ".join(repr(app["name"]) for app in apps)
             print(f"{ns.config or 'the default config'}: application{'s' if len(apps) > 1 else ''} {names} "

@@ -1114,6 +1114,22 @@ def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, m
     (tmp_path / "missing").write_text("k2\n")
     assert main(["serve", "--config", str(path), "--check"]) == 0
     assert capsys.readouterr().err == ""
+    # the variable in the application's runtime_env: no note on it (the note came all the same:
+    # the runtime_env was not passed to the check), but one on the deployments the section leaves
+    # out, which Serve restarts the first time an entry names them (helper-64)
+    monkeypatch.delenv("DITSERVE_TEST_UNSET_KEYS")
+    config["applications"][0]["runtime_env"] = {"env_vars": {"DITSERVE_TEST_UNSET_KEYS": "k1"}}
+    config["applications"][0]["deployments"] = [{"name": "Router", "user_config": {"max_batch_size": 2}}]
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: application 'ditserve': the application has a runtime_env and its deployments section leaves out "
+        "Ingress, DiTReplica: Serve merges the runtime_env"), notes
+    config["applications"][0]["deployments"] += [{"name": "Ingress"}, {"name": "DiTReplica"}]
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
