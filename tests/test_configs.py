@@ -177,6 +177,23 @@ def test_a_router_user_config_key_misspelt_names_the_knobs():
                                                   "the fields there: max_batch_size, ")
 
 
+def test_router_knobs_only_the_start_reads_are_refused_live():
+    """helper-64: ``routing_stats_period_s`` and ``affinity: true`` (over ``args``' false) were
+    taken live and shown in ``/v1/stats`` as in force, but DiTReplica's request router, built
+    at the start, never used them."""
+    from deployments.config import BatchingConfig, batching_update
+
+    args = BatchingConfig().model_dump()
+    with pytest.raises(ValueError, match="routing_stats_period_s: DiTReplica's request router reads it at the "):
+        batching_update(args, {"routing_stats_period_s": 30})
+    off = {**args, "affinity": False}
+    with pytest.raises(ValueError, match="affinity: args.batching.affinity is false"):
+        batching_update(off, {"affinity": True})
+    # what the start set, given again, and affinity turned off live, apply
+    assert batching_update(args, {"routing_stats_period_s": args["routing_stats_period_s"], "affinity": False})
+    assert batching_update(off, {"affinity": False}).affinity is False
+
+
 @pytest.mark.parametrize("text, field, written", [
     ("limits: {max_pixels: 1e5}", "args.limits.max_pixels", "100000"),
     ("acceleration: {cache_dit_params: {residual_diff_threshold: 1e-3}}",
