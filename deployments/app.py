@@ -332,6 +332,13 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
                          f"batching.max_batch_size {config.batching.max_batch_size} x {most_replicas} DiTReplicas at "
                          f"most (num_replicas / autoscaling max_replicas), is {limit}: more requests than Serve's "
                          f"max_ongoing_requests holds ({MAX_ONGOING_REQUESTS}); give fewer replicas or a smaller batch")
+    router = [entry["max_ongoing_requests"] for entry in deployments or ()
+              if entry["name"] == "Router" and entry.get("max_ongoing_requests") is not None]
+    if router and router[0] < limit + INGRESS_SPARE_SLOTS:
+        # helper-64: max_ongoing_requests 1 ran every request alone, batch sizes [1, 1, ...]
+        raise ValueError(f"deployments: Router's max_ongoing_requests {router[0]} is below the requests the "
+                         f"application admits ({limit}, + {INGRESS_SPARE_SLOTS} for stats and health calls): the "
+                         "ones over it wait at the Router's door, where no batch forms of them; leave it out")
     given = {key for entry in deployments or () if entry["name"] == "Ingress" for key in entry}
     # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values
     # stand, and its max_ongoing_requests (a limit raised live, README) sizes the queue at its door

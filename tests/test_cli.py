@@ -931,6 +931,9 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a["args"].update(auth={"api_keys_env": ""}), "args.auth.api_keys_env: an environment "
                                                                "variable's name"),
     (lambda c, a: a["args"].update(auth={"batch_api_keys_file": " "}), "a file's path, got an empty one"),
+    # batching silently off: each request ran alone (helper-64)
+    (lambda c, a: a.update(deployments=[{"name": "Router", "max_ongoing_requests": 1}]),
+     "deployments: Router's max_ongoing_requests 1 is below the requests the application admits"),
 ])
 def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
     """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the
