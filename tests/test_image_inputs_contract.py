@@ -93,6 +93,25 @@ def test_output_size_follows_size_or_the_image():
     assert refused_small.param == "image" and "at least 16 pixels" in str(refused_small)
 
 
+def test_a_photo_larger_than_max_pixels_is_scaled_down_by_default():
+    """``limits.max_input_pixels`` unset was ``max_pixels``: a 12 MP phone photo was refused
+    where ``max_pixels`` is 2 MP (flux-dev-1gpu), though the output would be scaled down anyway
+    (helper-63). It defaults to ``max_pixels``, at least 4096 x 4096; a config's own stands."""
+    from deployments.config import LimitsConfig
+    from pipeline.contract.limits import DEFAULT_MAX_INPUT_PIXELS
+    from pipeline.wire import ModelFacts
+
+    facts = ModelFacts("flux", 16, True, num_blocks=4, input_modes=(InputMode.IMAGE_TO_IMAGE,))
+    config = LimitsConfig(max_pixels=128 * 128).model_dump()
+    limits = facts.limits("tiny-flux", config)
+    assert limits.max_input_pixels == DEFAULT_MAX_INPUT_PIXELS == 4096 * 4096
+    photo = edit({"image": picture((400, 300))}, limits)  # 120,000 pixels > max_pixels
+    assert (photo.width, photo.height) == (144, 96)  # scaled to max_pixels, 16-pixel multiples
+    assert facts.limits("x", {**config, "max_pixels": 5000 * 5000}).max_input_pixels == 5000 * 5000
+    own = facts.limits("tiny-flux", {**config, "max_input_pixels": 200 * 200})
+    assert refused({"image": picture((400, 300))}, own).code == "image_too_large"
+
+
 def test_pixel_modes_convert_to_rgb_or_are_refused_by_name():
     cmyk = edit({"image": encoded(Image.new("CMYK", (64, 64), (0, 255, 255, 0)), "JPEG")})
     assert cmyk.images[0].array().shape == (64, 64, 3)

@@ -11,6 +11,9 @@ from pipeline.modes import DualMode, GuidanceMode, InputMode
 SIZE_RE = re.compile(r"^([0-9]{1,9})x([0-9]{1,9})$")  # ASCII digits only, no spaces; a side past 9 digits is no size
 # Guidance scales above this only saturate the image; the bound keeps every scale far inside float32.
 MAX_GUIDANCE_SCALE = 100.0
+# limits.max_input_pixels when the config gives none (and max_pixels is smaller): 4096 x 4096, a
+# phone photo (12 MP) and more; a larger upload is refused before it is decoded (image bombs)
+DEFAULT_MAX_INPUT_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True)
