@@ -16,7 +16,7 @@ from parallel.config import ParallelConfig, sharding_problems
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import fields_at
-from pipeline.contract.limits import parse_size
+from pipeline.contract.limits import MAX_GUIDANCE_SCALE, parse_size
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
 from pipeline.tiny.names import EMBEDDED_NAMES
@@ -173,8 +173,8 @@ class LimitsConfig(_Strict):
 
     default_size: str = "64x64"
     default_steps: int = Field(default=16, ge=1)
-    default_guidance_scale: float = Field(default=3.5, ge=0)
-    max_n: int = Field(default=4, ge=1)
+    default_guidance_scale: float = Field(default=3.5, ge=0, le=MAX_GUIDANCE_SCALE)  # a request's bound
+    max_n: int = Field(default=4, ge=1, le=1024)  # batching.max_batch_size's bound: n rows run in one batch
     max_pixels: int = Field(default=256 * 256, ge=1)
     max_steps: int = Field(default=100, ge=1)
     max_prompt_chars: int = Field(default=2000, ge=1)
@@ -414,7 +414,8 @@ class AutoscalingSettings(_Strict):
     upscale_delay_s: float = Field(default=30.0, ge=0)
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)
-    metrics_interval_s: float = Field(default=10.0, gt=0)
+    # each report asks the Router for its queue: 1e-9 had replicas asking without a pause (helper-64)
+    metrics_interval_s: float = Field(default=10.0, ge=0.1)
     upscaling_factor: float | None = Field(default=None, gt=0)  # Serve's bounds (max_replicas bounds the result)
     downscaling_factor: float | None = Field(default=None, gt=0)
     aggregation_function: Literal["mean", "max", "min"] = "mean"
@@ -464,7 +465,7 @@ class ReplicaConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     autoscaling: AutoscalingSettings | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
-    torch_threads: int | None = Field(default=None, ge=1)
+    torch_threads: int | None = Field(default=None, ge=1, le=1024)
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
     health_check_period_s: float = Field(default=2.0, gt=0)

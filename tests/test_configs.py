@@ -156,6 +156,14 @@ def test_the_embedded_names_a_config_may_give_without_a_path_are_the_registrys()
     ({"model": {"dtype": "fp16"}}, "args.model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"device": "gpu"}}, "args.model.device: 'gpu' is not a device ditserve runs on; use cpu, cuda or "
                                    "cuda:N"),
+    # unbounded before (helper-64): a default no request may give, rows past any batch, threads, and
+    # replicas asking the Router for its queue without a pause
+    ({"limits": {"default_guidance_scale": 1e308}}, "args.limits.default_guidance_scale: Input should be less than "
+                                                    "or equal to 100"),
+    ({"limits": {"max_n": 100_000}}, "args.limits.max_n: Input should be less than or equal to 1024"),
+    ({"replica": {"torch_threads": 100_000}}, "args.replica.torch_threads: Input should be less than or equal to 1024"),
+    ({"replica": {"autoscaling": {"metrics_interval_s": 1e-9, "look_back_period_s": 1}}},
+     "args.replica.autoscaling.metrics_interval_s: Input should be greater than or equal to 0.1"),
 ])
 def test_a_config_mistake_names_the_allowed_keys_or_values(args, said):
     """helper-43: a misspelt key said only "Extra inputs are not permitted" (no field named,
