@@ -145,8 +145,6 @@ def manifest(config_file: str) -> dict:
         "spec": {
             "serveConfigV2": text,
             "upgradeStrategy": {"type": "NewCluster"},
-            "serviceUnhealthySecondThreshold": 900,
-            "deploymentUnhealthySecondThreshold": 900,
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
                 # Ray's token authentication (Ray >= 2.52, KubeRay >= 1.5.1): the dashboard, which
