@@ -411,6 +411,34 @@ def _auth_notes(app: dict) -> list[str]:
     return notes
 
 
+def _device_notes(app: dict) -> list[str]:
+    """``--check``'s note on a ``model.device`` the replica's Ray resources do not match
+    (helper-64: both passed without a word): ``cuda`` with no GPU asked of Ray, where the
+    replica uses a GPU Ray did not reserve for it (Ray 2.60 leaves ``CUDA_VISIBLE_DEVICES``
+    alone for an actor asking none) and may be placed on a node without one; ``cpu`` with GPUs
+    asked, which it reserves and never uses. The GPUs are DiTReplica's ``num_gpus``, or its
+    placement group bundles' ``GPU`` (``replica.rank_resources``), as bound, a ``deployments``
+    entry's over ``args``'. ``args`` were checked (:func:`checked_app`)."""
+    from deployments.app import deployment_options
+    from deployments.config import AppConfig
+
+    config = AppConfig.model_validate(app["args"])
+    options = dict(deployment_options(config)["DiTReplica"])
+    options.update({key: value for entry in app.get("deployments") or () if entry.get("name") == "DiTReplica"
+                    for key, value in entry.items() if key in ("ray_actor_options", "placement_group_bundles")})
+    bundles = options.get("placement_group_bundles") or ()
+    gpus = (sum(float(b.get("GPU", 0)) for b in bundles) if bundles
+            else float((options.get("ray_actor_options") or {}).get("num_gpus") or 0))
+    device = config.model.device
+    if device.startswith("cuda") and gpus == 0:
+        return [f"model.device is {device!r} but DiTReplica asks Ray for no GPU (replica.ray_actor_options.num_gpus, "
+                "or replica.rank_resources' GPU with several ranks): Ray may place it on a node without one, and "
+                "does not reserve the GPU it uses"]
+    if device == "cpu" and gpus > 0:
+        return [f"model.device is 'cpu' but DiTReplica asks Ray for {gpus:g} GPU(s), which it reserves and never uses"]
+    return []
+
+
 DEPLOYMENT_NAMES = ("Ingress", "Router", "DiTReplica")  # the deployments deployments.app binds
 
 
@@ -1105,7 +1133,7 @@ def _serve_until_stopped(ns) -> int:
                 except CannotStart as exc:
                     raise CannotStart(f"application {app['name']!r}: {exc}" if len(apps) > 1 else str(exc)) from None
             for app in apps:
-                for note in _auth_notes(app) + _restart_notes(app):
+                for note in _auth_notes(app) + _restart_notes(app) + _device_notes(app):
                     print(f"note: application {app['name']!r}: {note}", file=sys.stderr, flush=True)
             names = ", ".join(repr(app["name"]) for app in apps)
             print(f"{ns.config or 'the default config'}: application{'s' if len(apps) > 1 else ''} {names} "

@@ -1135,6 +1135,32 @@ def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, m
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("mutate, said", [
+    (lambda c, a: a["args"]["model"].update(device="cuda"), "model.device is 'cuda' but DiTReplica asks Ray for no GPU"),
+    (lambda c, a: a["args"]["replica"].update(ray_actor_options={"num_cpus": 1, "num_gpus": 1}),
+     "model.device is 'cpu' but DiTReplica asks Ray for 1 GPU(s), which it reserves and never uses"),
+    (lambda c, a: (a["args"]["model"].update(device="cuda"),
+                   a.update(deployments=[{"name": "DiTReplica", "ray_actor_options": {"num_gpus": 1}}])), None),
+    (lambda c, a: (a["args"]["model"].update(device="cuda"), a["args"].update(parallel={"ulysses_degree": 2}),
+                   a["args"]["replica"].update(rank_resources={"CPU": 1, "GPU": 1})), None),
+])
+def test_check_notes_a_device_the_replicas_resources_do_not_match(tmp_path, capsys, monkeypatch, mutate, said):
+    """helper-64: ``model.device: cuda`` with no GPU asked of Ray (the replica uses a GPU Ray did
+    not reserve, on whatever node it lands) and ``cpu`` with a GPU asked passed without a word."""
+    import ray
+    import yaml
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_tiny_cpu_config(mutate)))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    notes = capsys.readouterr().err.splitlines()
+    if said is None:  # the GPU asked by a deployments entry, or per rank
+        assert notes == [], notes
+    else:
+        assert len(notes) == 1 and notes[0].startswith(f"note: application 'ditserve': {said}"), notes
+
+
 def test_a_bad_variable_does_not_hide_the_files_own_mistakes(tmp_path, capsys, monkeypatch):
     """Both named, each where it comes from (helper-36's review: the file's error was dropped)."""
     import ray
