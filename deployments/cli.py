@@ -194,6 +194,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 seen.add(key)
         super().flatten_mapping(node)
 
+    def construct_yaml_int(self, node):
+        # YAML 1.1 (PyYAML, Serve's reader too) reads 010 as octal 8 and 1:30 as 90: refused
+        # with the forms that say what was meant (helper-64: both passed, as 8 and 90)
+        text = node.value.replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-7]+", text):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value} is the octal number {int(text, 8)} in YAML 1.1, as Serve reads this file; "
+                f"write {int(text, 8)}, or {int(text)} without the leading 0", node.start_mark)
+        if ":" in text:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value} is the base-60 number {super().construct_yaml_int(node)} in YAML 1.1, as "
+                "Serve reads this file; write the number, or quote the text", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
 
 def _booleans_as_numbers(raw: dict) -> tuple[str, bool] | None:
     """The first field of Serve's config schema given ``true``/``false`` for a number (pydantic's

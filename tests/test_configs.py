@@ -202,6 +202,26 @@ def test_router_knobs_only_the_start_reads_are_refused_live():
     assert batching_update(off, {"affinity": False}).affinity is False
 
 
+@pytest.mark.parametrize("value, said", [
+    ("010", "010 is the octal number 8 in YAML 1.1, as Serve reads this file; write 8, or 10 without the leading 0"),
+    ("1:30", "1:30 is the base-60 number 90 in YAML 1.1, as Serve reads this file; write the number, or quote"),
+])
+def test_an_int_yaml_reads_another_way_is_refused_with_the_form_to_write(tmp_path, value, said):
+    """helper-64: ``max_batch_size: 010`` ran batches of 8 and ``max_wait_ms: 1:30`` waited
+    90 ms, without a word; ``0``, ``10`` and a quoted ``"1:30"`` read as written."""
+    from deployments.cli import CannotStart, load_serve_configs
+
+    path = tmp_path / "serve.yaml"
+    head = "applications:\n  - name: ditserve\n    import_path: deployments.app:build_app\n    args:\n"
+    path.write_text(head + f"      batching: {{max_batch_size: {value}}}\n")
+    with pytest.raises(CannotStart, match="at line 5, column 34: ") as refused:
+        load_serve_configs(path)
+    assert said in str(refused.value)
+    for fine, read in (("0", 0), ("10", 10), ('"1:30"', "1:30")):
+        path.write_text(head + f"      batching: {{max_batch_size: {fine}}}\n")
+        assert load_serve_configs(path)[0][0]["args"]["batching"]["max_batch_size"] == read
+
+
 @pytest.mark.parametrize("text, field, written", [
     ("limits: {max_pixels: 1e5}", "args.limits.max_pixels", "100000"),
     ("acceleration: {cache_dit_params: {residual_diff_threshold: 1e-3}}",
