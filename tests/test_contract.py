@@ -52,6 +52,10 @@ def reasons(body: dict) -> InvalidRequestError:
     ({"prompt": "a", "enable_cache_dti": True}, "enable_cache_dti",
      "unknown field 'enable_cache_dti' (did you mean 'enable_cache_dit'?)"),
     ({"prompt": "a", "sizee": "64x64"}, "sizee", "unknown field 'sizee' (did you mean 'size'?)"),
+    # OpenAI's own fields no ditserve model takes: said so (helper-63: "unknown field 'quality'")
+    ({"prompt": "a", "quality": "high"}, "quality", "quality: a field of OpenAI's gpt-image and DALL-E models, which "
+                                                    "ditserve's models do not take; send the request without it"),
+    ({"prompt": "a", "background": "transparent"}, "background", "OpenAI's gpt-image and DALL-E models"),
     ({"prompt": "a", "cfg_gate_step": 0}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "cfg_gate_step": 1.5}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "attention_backend_override": "flash"}, "attention_backend_override", "one of"),

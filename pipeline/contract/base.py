@@ -432,6 +432,9 @@ def fields_at(model: type[BaseModel], path: tuple, validated_as: dict | None = N
 # type is pydantic's own (a value of the wrong type, past a Field bound, a required field left
 # out), which says what is wrong but not what is allowed: the field's ALLOWED text is added.
 OWN_ERRORS = frozenset({"value_error", "assertion_error", "extra_forbidden"})
+# Fields of OpenAI's images API (create and edit: gpt-image and DALL-E models) that no ditserve
+# model takes; named as such, not as unknown (helper-63: "unknown field 'quality'")
+OPENAI_ONLY_FIELDS = frozenset({"quality", "background", "moderation", "style", "input_fidelity"})
 
 
 def allowed_text(model: type[BaseModel], field: str, limits: ServingLimits) -> str | None:
@@ -500,6 +503,9 @@ def describe_error(error: dict, model: type[BaseModel], limits: ServingLimits | 
         return (field if field in model.model_fields or field == "extra_body" else "body"), message
     top, path = str(loc[0]), ".".join(str(p) for p in loc)
     if error.get("type") == "extra_forbidden":
+        if len(loc) == 1 and top in OPENAI_ONLY_FIELDS:
+            return top, (f"{top}: a field of OpenAI's gpt-image and DALL-E models, which ditserve's models do not "
+                         "take; send the request without it")
         if len(loc) == 1:  # keys are echoed cut short, as values are
             return top[:40], f"unknown field {shown(top)}{did_you_mean(top, (*model.model_fields, 'extra_body'))}"
         allowed = fields_at(model, loc[:-1]) or {}
