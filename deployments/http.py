@@ -240,8 +240,12 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
     try:
         form = await Request(request.scope, replay).form(max_files=16, max_fields=MAX_FORM_FIELDS)
     except Exception as exc:  # Starlette's multipart / url-encoded parse errors
-        raise InvalidRequestError(f"request body is not a valid form: {str(getattr(exc, 'detail', exc))[:200]}",
-                                  param="body", code="invalid_form") from None
+        detail = str(getattr(exc, "detail", exc))[:200]
+        if files and detail.startswith("Too many files"):  # the uploads' field, not the body (helper-63)
+            raise InvalidRequestError(f"{files[0]}: more than 16 files in one form; no model takes as many",
+                                      param=files[0], code="invalid_form") from None
+        raise InvalidRequestError(f"request body is not a valid form: {detail}", param="body",
+                                  code="invalid_form") from None
     items = []
     for key, value in form.multi_items():
         if not isinstance(value, str) and key.removesuffix("[]") in files:

@@ -355,6 +355,12 @@ def test_a_multipart_body_cut_short_is_refused_not_run_without_its_last_part():
         with pytest.raises(InvalidRequestError, match="ends without its closing boundary") as info:
             decoded(raw[:cut])
         assert (info.value.param, info.value.code) == ("body", "invalid_form"), cut
+    # 17 uploads: Starlette's bound, named as the uploads' field (helper-63: param body)
+    many = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="image[]"; filename="{i}.png"\r\n'
+                    f"Content-Type: image/png\r\n\r\n".encode() + b"\x89PNG\r\n" for i in range(17))
+    with pytest.raises(InvalidRequestError, match="image: more than 16 files in one form") as info:
+        decoded(many + f"--{boundary}--\r\n".encode())
+    assert info.value.param == "image"
 
 
 def test_openai_operations_ditserve_does_not_serve_are_a_400_saying_so():
