@@ -93,18 +93,21 @@ def adapter_problems(transformer: torch.nn.Module, state_dict: dict[str, torch.T
     """Why an adapter's (converted) state dict cannot apply to ``transformer``, one problem per
     target layer: LoRA targets that are not linear layers of the model; a ``lora_A`` without its
     ``lora_B`` or the reverse; weights that are not 2-D floating-point matrices of shapes
-    ``(rank, in_features)`` and ``(out_features, rank)`` with one ``rank``; weights holding NaN
-    or infinity (they turned every image of the requests naming the adapter black, answered
+    ``(rank, in_features)`` and ``(out_features, rank)`` with one ``rank`` >= 1; weights holding
+    NaN or infinity (they turned every image of the requests naming the adapter black, answered
     200; helper-63 found the other cases failing only at the first request, a 500 each time).
-    A ``lora_B.bias`` (diffusers' ``lora_bias``) is a vector of ``out_features``."""
+    A ``lora_B.bias`` (diffusers' ``lora_bias``) and a DoRA ``lora_magnitude_vector`` are
+    vectors of ``out_features``; a ``lora_A.bias`` one of ``rank``."""
     modules = dict(transformer.named_modules())
     by_target: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
         name = key.removeprefix("transformer.")
-        for part in (".lora_A.", ".lora_B."):
+        for part in (".lora_A.", ".lora_B.", ".lora_magnitude_vector"):
             if part in name:
                 target, rest = name.split(part, 1)
-                by_target.setdefault(target, {})[part.strip(".") + ("_bias" if rest == "bias" else "")] = value
+                kind = part.strip(".") + (".bias" if rest == "bias" else "")
+                by_target.setdefault(target, {})[kind] = value
+                break
     problems = []
     for target, weights in by_target.items():
         problem = _target_problem(modules.get(target), weights)
@@ -114,14 +117,14 @@ def adapter_problems(transformer: torch.nn.Module, state_dict: dict[str, torch.T
 
 
 def _target_problem(module: torch.nn.Module | None, weights: dict[str, torch.Tensor]) -> str | None:
-    """Why one target layer's LoRA weights (``lora_A``, ``lora_B``, maybe ``lora_B_bias``)
-    cannot apply to ``module`` (None: they can)."""
+    """Why one target layer's LoRA tensors (``lora_A``, ``lora_B``, maybe ``lora_A.bias``,
+    ``lora_B.bias``, ``lora_magnitude_vector``) cannot apply to ``module`` (None: they can)."""
     base = getattr(module, "base_layer", module)
     if not isinstance(base, torch.nn.Linear):
         return "not a linear layer of the model"
     if "lora_A" not in weights or "lora_B" not in weights:
-        given, missing = ("lora_A", "lora_B") if "lora_A" in weights else ("lora_B", "lora_A")
-        return f"has {given} without {missing}"
+        missing = " and ".join(k for k in ("lora_A", "lora_B") if k not in weights)
+        return f"has {', '.join(sorted(weights))} without {missing}"
     for kind, value in weights.items():
         if not value.is_floating_point():
             return f"{kind} is {str(value.dtype).removeprefix('torch.')}, not floating point"
@@ -130,15 +133,18 @@ def _target_problem(module: torch.nn.Module | None, weights: dict[str, torch.Ten
     down, up = weights["lora_A"], weights["lora_B"]
     if down.ndim != 2 or up.ndim != 2:
         return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} must be matrices"
+    if down.shape[0] == 0:
+        return f"lora_A {tuple(down.shape)} has rank 0"
     if down.shape[1] != base.in_features:
         return f"lora_A {tuple(down.shape)} does not fit in_features={base.in_features}"
     if up.shape[0] != base.out_features:
         return f"lora_B {tuple(up.shape)} does not fit out_features={base.out_features}"
     if up.shape[1] != down.shape[0]:
         return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} have different ranks"
-    bias = weights.get("lora_B_bias")
-    if bias is not None and tuple(bias.shape) != (base.out_features,):
-        return f"lora_B.bias {tuple(bias.shape)} does not fit out_features={base.out_features}"
+    vectors = {"lora_A.bias": down.shape[0], "lora_B.bias": base.out_features, "lora_magnitude_vector": base.out_features}
+    for kind, size in vectors.items():
+        if kind in weights and tuple(weights[kind].shape) != (size,):
+            return f"{kind} {tuple(weights[kind].shape)} is not a vector of {size}"
     return None
 
 

@@ -298,6 +298,15 @@ BROKEN = {
     "int32": (_put("to_q.lora_A.weight", lambda w: w.to(torch.int32)), "lora_A is int32, not floating point"),
     "NaN": (_put("to_q.lora_B.weight", lambda w: w * float("nan")), "lora_B holds NaN or infinite values"),
     "infinity": (_put("to_k.lora_A.weight", lambda w: w / 0.0), "lora_A holds NaN or infinite values"),
+    # helper-65: each passed the first version of the check
+    "rank 0": (lambda state: [state.update({k: v[:0] if "lora_A" in k else v[:, :0]}) for k, v in list(state.items())],
+               "lora_A (0, 64) has rank 0"),
+    "DoRA NaN": (lambda state: state.update({"transformer.proj_out.lora_magnitude_vector": torch.full((16,), torch.nan)}),
+                 "proj_out: lora_magnitude_vector holds NaN or infinite values"),
+    "DoRA shape": (lambda state: state.update({"transformer.proj_out.lora_magnitude_vector": torch.ones(3)}),
+                   "proj_out: lora_magnitude_vector (3,) is not a vector of 16"),
+    "bias alone": (lambda state: state.update({"transformer.context_embedder.lora_B.bias": torch.zeros(64)}),
+                   "context_embedder: has lora_B.bias without lora_A and lora_B"),
 }
 
 
