@@ -164,8 +164,10 @@ def _deploy_time_problem(schema) -> str | None:
                 return f"{where}.env_vars: a mapping of names to strings, got {type(env_vars).__name__}"
             for name, value in env_vars.items():
                 if not isinstance(name, str) or not isinstance(value, str):
-                    return (f"{where}.env_vars.{name}: Ray takes strings only, got {type(value).__name__} "
-                            f"{value!r}; quote it ('{value}')")
+                    # not a suggested text: YAML read it already (yes became True, 0x1F 31; helper-65)
+                    what = f"the name {name!r}" if not isinstance(name, str) else f"{type(value).__name__} {value!r}"
+                    return (f"{where}.env_vars.{name}: Ray takes strings only, got {what}; quote it in the file, "
+                            "as written")
     return None
 
 
@@ -196,20 +198,30 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node):
         # YAML 1.1 (PyYAML, Serve's reader too) reads 010 as octal 8 and 1:30 as 90: refused
-        # with the forms that say what was meant (helper-64: both passed, as 8 and 90)
+        # with the forms that say what was meant (helper-64: both passed, as 8 and 90); 07 or 00,
+        # the same number either way, stand
         text = node.value.replace("_", "")
-        if re.fullmatch(r"[-+]?0[0-7]+", text):
+        if re.fullmatch(r"[-+]?0[0-7]+", text) and int(text, 8) != int(text):
             raise yaml.constructor.ConstructorError(
                 None, None, f"{node.value} is the octal number {int(text, 8)} in YAML 1.1, as Serve reads this file; "
-                f"write {int(text, 8)}, or {int(text)} without the leading 0", node.start_mark)
-        if ":" in text:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{node.value} is the base-60 number {super().construct_yaml_int(node)} in YAML 1.1, as "
-                "Serve reads this file; write the number, or quote the text", node.start_mark)
+                f"write {int(text, 8)}, or {int(text)} without the leading 0, or quote it for the text",
+                node.start_mark)
+        self._refuse_base_60(node, super().construct_yaml_int)
         return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        self._refuse_base_60(node, super().construct_yaml_float)  # 1:30.5 is 90.5 (helper-65)
+        return super().construct_yaml_float(node)
+
+    def _refuse_base_60(self, node, construct) -> None:
+        if ":" in node.value:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value} is the base-60 number {construct(node)} in YAML 1.1, as Serve reads this "
+                "file; write the number, or quote it for the text", node.start_mark)
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
 
 
 def _booleans_as_numbers(raw: dict) -> tuple[str, bool] | None:

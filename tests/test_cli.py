@@ -925,7 +925,8 @@ def _tiny_cpu_config(mutate) -> dict:
                                                    "must start with a forward slash"),
     (lambda c, a: a.update(route_prefix="/images/"), "may not end with a trailing '/'"),
     (lambda c, a: a.update(runtime_env={"env_vars": {"DITSERVE_API_KEYS": 12345}}),
-     "applications[0].runtime_env.env_vars.DITSERVE_API_KEYS: Ray takes strings only, got int 12345"),
+     "applications[0].runtime_env.env_vars.DITSERVE_API_KEYS: Ray takes strings only, got int 12345; quote it in "
+     "the file, as written"),
     (lambda c, a: a.update(deployments=[{"name": "Ingress", "ray_actor_options": {"runtime_env": {
         "env_vars": {"A": True}}}}]), "deployments[0].ray_actor_options.runtime_env.env_vars.A: Ray takes strings"),
     (lambda c, a: a["args"].update(auth={"api_keys_env": ""}), "args.auth.api_keys_env: an environment "

@@ -203,10 +203,12 @@ def test_router_knobs_only_the_start_reads_are_refused_live():
 
 
 @pytest.mark.parametrize("value, said", [
-    ("010", "010 is the octal number 8 in YAML 1.1, as Serve reads this file; write 8, or 10 without the leading 0"),
+    ("010", "010 is the octal number 8 in YAML 1.1, as Serve reads this file; write 8, or 10 without the leading 0, "
+            "or quote it for the text"),
     ("1:30", "1:30 is the base-60 number 90 in YAML 1.1, as Serve reads this file; write the number, or quote"),
+    ("1:30.5", "1:30.5 is the base-60 number 90.5 in YAML 1.1"),  # helper-65
 ])
-def test_an_int_yaml_reads_another_way_is_refused_with_the_form_to_write(tmp_path, value, said):
+def test_a_number_yaml_reads_another_way_is_refused_with_the_form_to_write(tmp_path, value, said):
     """helper-64: ``max_batch_size: 010`` ran batches of 8 and ``max_wait_ms: 1:30`` waited
     90 ms, without a word; ``0``, ``10`` and a quoted ``"1:30"`` read as written."""
     from deployments.cli import CannotStart, load_serve_configs
@@ -217,7 +219,7 @@ def test_an_int_yaml_reads_another_way_is_refused_with_the_form_to_write(tmp_pat
     with pytest.raises(CannotStart, match="at line 5, column 34: ") as refused:
         load_serve_configs(path)
     assert said in str(refused.value)
-    for fine, read in (("0", 0), ("10", 10), ('"1:30"', "1:30")):
+    for fine, read in (("0", 0), ("10", 10), ('"1:30"', "1:30"), ("07", 7), ("00", 0), ("1.5", 1.5)):
         path.write_text(head + f"      batching: {{max_batch_size: {fine}}}\n")
         assert load_serve_configs(path)[0][0]["args"]["batching"]["max_batch_size"] == read
 
