@@ -712,15 +712,14 @@ def batching_update(args_batching: dict, knobs: dict | None) -> "BatchingConfig"
     application's start reads: ``routing_stats_period_s`` (DiTReplica's request router's, built
     once) and ``affinity: true`` where ``args`` turned it off (the request router chosen then
     tells the Router no replica's state). helper-64: both showed in ``/v1/stats`` as in force."""
-    knobs = knobs or {}
-    period = knobs.get("routing_stats_period_s", args_batching["routing_stats_period_s"])
-    if period != args_batching["routing_stats_period_s"]:
+    new = BatchingConfig.model_validate({**args_batching, **(knobs or {})})  # as read: "true" is True (helper-65)
+    if new.routing_stats_period_s != args_batching["routing_stats_period_s"]:
         raise ValueError(f"routing_stats_period_s: DiTReplica's request router reads it at the application's start "
                          f"({args_batching['routing_stats_period_s']:g} s): change args.batching, not a user_config")
-    if knobs.get("affinity") is True and not args_batching["affinity"]:
+    if new.affinity and not args_batching["affinity"]:
         raise ValueError("affinity: args.batching.affinity is false, so DiTReplica's request router reports no "
                          "replica's state, which affinity needs: change args.batching, not a user_config")
-    return BatchingConfig.model_validate({**args_batching, **knobs})
+    return new
 
 
 USER_CONFIG_KEYS = {"Ingress": ("acceleration", "loras"), "DiTReplica": ("loras",)}  # the Router's: its knobs

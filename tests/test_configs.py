@@ -195,8 +195,10 @@ def test_router_knobs_only_the_start_reads_are_refused_live():
     with pytest.raises(ValueError, match="routing_stats_period_s: DiTReplica's request router reads it at the "):
         batching_update(args, {"routing_stats_period_s": 30})
     off = {**args, "affinity": False}
-    with pytest.raises(ValueError, match="affinity: args.batching.affinity is false"):
-        batching_update(off, {"affinity": True})
+    for value in (True, "true", 1, "yes"):  # read as pydantic reads them (helper-65: "true" passed)
+        with pytest.raises(ValueError, match="affinity: args.batching.affinity is false"):
+            batching_update(off, {"affinity": value})
+    assert batching_update(args, {"routing_stats_period_s": str(args["routing_stats_period_s"])})  # the same value
     # what the start set, given again, and affinity turned off live, apply
     assert batching_update(args, {"routing_stats_period_s": args["routing_stats_period_s"], "affinity": False})
     assert batching_update(off, {"affinity": False}).affinity is False
