@@ -12,7 +12,8 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.autoscaling import autoscaling_config
 from deployments.config import (AppConfig, admission_limit_of, app_config, batching_update, check_user_config_shape,
-                                ingress_update, look_back_problem, lora_registry, validation_line)
+                                MIN_METRICS_INTERVAL_S, ingress_update, look_back_problem, lora_registry,
+                                validation_line)
 from deployments.ingress import INGRESS_SPARE_SLOTS, Ingress
 from deployments.replica import DiTReplica
 from deployments.replica_chooser import ReplicaSetWatcher, StateAffinityReplicaChooser
@@ -185,6 +186,10 @@ def check_entry_look_back(name: str, given) -> None:
     problem = look_back_problem(parsed.look_back_period_s, parsed.metrics_interval_s)
     if problem:
         raise ValueError(f"deployments: {name}'s autoscaling_config.{problem}")
+    if name == "DiTReplica" and parsed.metrics_interval_s < MIN_METRICS_INTERVAL_S:  # as args' (helper-65)
+        raise ValueError(f"deployments: DiTReplica's autoscaling_config.metrics_interval_s must be at least "
+                         f"{MIN_METRICS_INTERVAL_S} s (each report asks the Router for its queue), got "
+                         f"{parsed.metrics_interval_s:g}")
 
 
 def _with_router_queue_policy(name: str, entry: dict, config: AppConfig) -> dict:

@@ -388,6 +388,11 @@ def look_back_problem(look_back_period_s: float, metrics_interval_s: float) -> s
     return None
 
 
+# seconds between a DiTReplica's metric reports at least: each asks the Router for its queue
+# (1e-9 had replicas asking without a pause; helper-64)
+MIN_METRICS_INTERVAL_S = 0.1
+
+
 class AutoscalingSettings(_Strict):
     """Autoscaling of DiTReplica on the Router's queue depth (``deployments.autoscaling``).
 
@@ -414,8 +419,7 @@ class AutoscalingSettings(_Strict):
     upscale_delay_s: float = Field(default=30.0, ge=0)
     downscale_delay_s: float = Field(default=600.0, ge=0)
     look_back_period_s: float = Field(default=30.0, gt=0)
-    # each report asks the Router for its queue: 1e-9 had replicas asking without a pause (helper-64)
-    metrics_interval_s: float = Field(default=10.0, ge=0.1)
+    metrics_interval_s: float = Field(default=10.0, ge=MIN_METRICS_INTERVAL_S)
     upscaling_factor: float | None = Field(default=None, gt=0)  # Serve's bounds (max_replicas bounds the result)
     downscaling_factor: float | None = Field(default=None, gt=0)
     aggregation_function: Literal["mean", "max", "min"] = "mean"

@@ -52,6 +52,16 @@ def test_policy_table(queued, busy, current, desired):
     assert RouterQueuePolicy(target_queued_per_replica=4)(_context(queued, busy, current))[0] == desired
 
 
+def test_a_metrics_interval_that_would_ask_the_router_without_a_pause_is_refused():
+    """``args``' autoscaling had the bound; a ``deployments`` entry's did not (helper-65)."""
+    entry = {"name": "DiTReplica", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                                          "metrics_interval_s": 1e-9, "look_back_period_s": 1}}
+    with pytest.raises(ValueError, match="DiTReplica's autoscaling_config.metrics_interval_s must be at least 0.1 s"):
+        bind_app(AUTOSCALE_ARGS, [entry])
+    with pytest.raises(ValidationError, match="greater than or equal to 0.1"):
+        AppConfig.model_validate({"replica": {"autoscaling": {"metrics_interval_s": 0.05, "look_back_period_s": 1}}})
+
+
 def test_a_tiny_target_asks_for_the_most_replicas_not_an_overflow():
     """helper-64: target 1e-310 made queued / target infinite, and math.ceil raised on every tick."""
     from deployments.autoscaling import MAX_DESIRED_REPLICAS
