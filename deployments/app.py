@@ -224,7 +224,7 @@ def _check_policy(given: dict) -> None:
     ``policy_kwargs``, as Serve makes it (``_resolve_policy_callable``); raising there, it left
     the controller retrying every 100 ms and the deploy never ending (helper-64). A
     ``target_queued_per_replica`` beside a policy was dropped without a word: refused."""
-    if "target_queued_per_replica" in given:
+    if given.get("target_queued_per_replica") is not None:
         raise ValueError("deployments: DiTReplica's autoscaling_config gives target_queued_per_replica and a policy; "
                          "give one: target_queued_per_replica is ditserve's policy's (RouterQueuePolicy's) target")
     policy = AutoscalingConfig(**given).policy

@@ -58,7 +58,8 @@ class RouterQueuePolicy:
     """
 
     def __init__(self, target_queued_per_replica: float):
-        if not (math.isfinite(target_queued_per_replica) and target_queued_per_replica > 0):
+        if isinstance(target_queued_per_replica, bool) or not (  # true is no target (helper-65)
+                math.isfinite(target_queued_per_replica) and target_queued_per_replica > 0):
             raise ValueError(f"target_queued_per_replica must be a finite number > 0, got {target_queued_per_replica}")
         self.target_queued_per_replica = float(target_queued_per_replica)
 

@@ -127,6 +127,12 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     problem = _deploy_time_problem(schema)
     if problem:
         raise CannotStart(f"{path}: {problem}")
+    for i, app in enumerate(schema.applications):
+        if _is_ditserve(app.import_path) and app.autoscaling_policy is not None:  # helper-65
+            raise CannotStart(f"{path}: applications[{i}].autoscaling_policy: an application-level policy replaces "
+                              "DiTReplica's own (RouterQueuePolicy, on the Router's queue) and Serve says it is not "
+                              "yet supported; scale DiTReplica with replica.autoscaling or its deployments entry's "
+                              "autoscaling_config")
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
              "http_options": schema.http_options.model_dump(), "runtime_env": app.runtime_env or {},

@@ -91,7 +91,7 @@ def test_a_policy_serve_could_not_make_is_refused(autoscaling, words):
     bind_app(AUTOSCALE_ARGS, [{**entry, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "policy": fine}}])
 
 
-@pytest.mark.parametrize("target", [0, -1, float("nan"), float("inf")])
+@pytest.mark.parametrize("target", [0, -1, float("nan"), float("inf"), True])
 def test_a_target_that_is_not_a_finite_positive_number_is_refused(target):
     """NaN was taken and raised on every autoscaling tick; inf silently scaled on busy alone."""
     with pytest.raises(ValueError, match="finite number > 0"):

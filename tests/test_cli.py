@@ -932,6 +932,8 @@ def _tiny_cpu_config(mutate) -> dict:
     (lambda c, a: a["args"].update(auth={"api_keys_env": ""}), "args.auth.api_keys_env: an environment "
                                                                "variable's name"),
     (lambda c, a: a["args"].update(auth={"batch_api_keys_file": " "}), "a file's path, got an empty one"),
+    (lambda c, a: a.update(autoscaling_policy={"policy_function": "deployments.autoscaling:RouterQueuePolicy"}),
+     "applications[0].autoscaling_policy: an application-level policy replaces DiTReplica's own"),  # helper-65
     # batching silently off: each request ran alone (helper-64)
     (lambda c, a: a.update(deployments=[{"name": "Router", "max_ongoing_requests": 1}]),
      "deployments: Router's max_ongoing_requests 1 is below the requests the application admits"),
