@@ -341,9 +341,10 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
               if entry["name"] == "Router" and entry.get("max_ongoing_requests") is not None]
     if router and router[0] < limit + INGRESS_SPARE_SLOTS:
         # helper-64: max_ongoing_requests 1 ran every request alone, batch sizes [1, 1, ...]
-        raise ValueError(f"deployments: Router's max_ongoing_requests {router[0]} is below the requests the "
-                         f"application admits ({limit}, + {INGRESS_SPARE_SLOTS} for stats and health calls): the "
-                         "ones over it wait at the Router's door, where no batch forms of them; leave it out")
+        raise ValueError(f"deployments: Router's max_ongoing_requests {router[0]} is below "
+                         f"{limit + INGRESS_SPARE_SLOTS}: the {limit} requests the application admits and "
+                         f"{INGRESS_SPARE_SLOTS} stats and health calls; the ones over it wait at the Router's door, "
+                         "where no batch forms of them; leave it out")
     given = {key for entry in deployments or () if entry["name"] == "Ingress" for key in entry}
     # sized again: a DiTReplica count given there changes the limit; an Ingress entry's own values
     # stand, and its max_ongoing_requests (a limit raised live, README) sizes the queue at its door

@@ -242,7 +242,7 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
     except Exception as exc:  # Starlette's multipart / url-encoded parse errors
         detail = str(getattr(exc, "detail", exc))[:200]
         if files and detail.startswith("Too many files"):  # the uploads' field, not the body (helper-63)
-            raise InvalidRequestError(f"{files[0]}: more than 16 files in one form; no model takes as many",
+            raise InvalidRequestError(f"{' and '.join(files)}: more than 16 files in one form; no model takes as many",
                                       param=files[0], code="invalid_form") from None
         raise InvalidRequestError(f"request body is not a valid form: {detail}", param="body",
                                   code="invalid_form") from None

@@ -936,7 +936,8 @@ def _tiny_cpu_config(mutate) -> dict:
      "applications[0].autoscaling_policy: an application-level policy replaces DiTReplica's own"),  # helper-65
     # batching silently off: each request ran alone (helper-64)
     (lambda c, a: a.update(deployments=[{"name": "Router", "max_ongoing_requests": 1}]),
-     "deployments: Router's max_ongoing_requests 1 is below the requests the application admits"),
+     "deployments: Router's max_ongoing_requests 1 is below 268: the 264 requests the application admits and 4 "
+     "stats and health calls"),
 ])
 def test_serve_config_mistakes_are_one_line_before_any_cluster_starts(tmp_path, capsys, monkeypatch, mutate, said):
     """A mistake in ``--config`` (bad ``args``, a bad ``user_config`` or misspelt option in the

@@ -358,7 +358,7 @@ def test_a_multipart_body_cut_short_is_refused_not_run_without_its_last_part():
     # 17 uploads: Starlette's bound, named as the uploads' field (helper-63: param body)
     many = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="image[]"; filename="{i}.png"\r\n'
                     f"Content-Type: image/png\r\n\r\n".encode() + b"\x89PNG\r\n" for i in range(17))
-    with pytest.raises(InvalidRequestError, match="image: more than 16 files in one form") as info:
+    with pytest.raises(InvalidRequestError, match="image and mask: more than 16 files in one form") as info:
         decoded(many + f"--{boundary}--\r\n".encode())
     assert info.value.param == "image"
 
