@@ -429,10 +429,13 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
 def _auth_notes(app: dict) -> list[str]:
     """``--check``'s notes on an application's key sources that this machine cannot confirm (the
     Ingress reads them where it runs, and fails its start when one yields no key): a variable
-    unset here and not in the application's ``runtime_env.env_vars``, a file missing here
+    unset here and not in the application's ``runtime_env.env_vars`` (nor the Ingress entry's), a file missing here
     (helper-59: ``--check`` passed both without a word)."""
     auth = (app.get("args") or {}).get("auth") or {}
-    env_vars = ((app.get("runtime_env") or {}).get("env_vars") or {})
+    env_vars = dict((app.get("runtime_env") or {}).get("env_vars") or {})
+    for entry in app.get("deployments") or ():  # the Ingress entry's, which Serve merges over them (helper-65)
+        if entry.get("name") == "Ingress":
+            env_vars.update(((entry.get("ray_actor_options") or {}).get("runtime_env") or {}).get("env_vars") or {})
     notes = []
     for field in ("api_keys", "batch_api_keys"):
         name, path = auth.get(f"{field}_env"), auth.get(f"{field}_file")

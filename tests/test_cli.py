@@ -1137,6 +1137,13 @@ def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, m
     path.write_text(yaml.safe_dump(config))
     assert main(["serve", "--config", str(path), "--check"]) == 0
     assert capsys.readouterr().err == ""
+    # the variable in the Ingress entry's runtime_env, which Serve merges over the application's
+    del config["applications"][0]["runtime_env"]
+    config["applications"][0]["deployments"][1]["ray_actor_options"] = {
+        "runtime_env": {"env_vars": {"DITSERVE_TEST_UNSET_KEYS": "k1"}}}
+    path.write_text(yaml.safe_dump(config))
+    assert main(["serve", "--config", str(path), "--check"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("mutate, said", [
