@@ -243,7 +243,8 @@ def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout)
     """A rank killed after its batch passed a step boundary fails that batch (an ``error`` event
     naming the request; not requeued: some of it ran), and Serve replaces the replica. The kill
     waits for the first preview (step 25 of 100): after a fixed 0.5 s the sharded layout in CI had
-    not finished its first step, so the batch was rightly requeued and answered 200."""
+    not finished its first step, so the batch was rightly requeued and answered 200. (The 500 of a
+    request that is not streamed: test_faults' fault on one rank.)"""
     url = deploy(layout, fresh=True)
     # guided: both CFG groups busy
     slow = {"prompt": "slow", "seed": 1, "num_inference_steps": 100, "size": "256x256", "negative_prompt": "blurry",
@@ -252,9 +253,12 @@ def test_killed_rank_fails_its_batch_and_the_replica_is_replaced(deploy, layout)
         with client.stream("POST", f"{url}/v1/images/generations", json=slow) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
+            previewed = False
             for line in lines:
                 if line.startswith("event: image_generation.partial_image"):
+                    previewed = True
                     break  # a step boundary passed
+            assert previewed, "the stream ended before its first preview"
             ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
                      if a["name"].startswith("ditserve-") and a["name"].endswith("-rank1")]
             assert ranks
