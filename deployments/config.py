@@ -189,9 +189,8 @@ class LimitsConfig(_Strict):
     max_loras: int = Field(default=4, ge=1, le=16)  # LoRA adapters one request may name
     # Image inputs (edits, image-to-video): image-to-image's strength when a request gives none
     # (FluxImg2ImgPipeline's default), and the most pixels an uploaded image may declare
-    # (None: max_pixels, at least 4096 x 4096: helper-63 found a 12 MP phone photo refused where
-    # max_pixels is 2 MP, though it would be scaled down); larger uploads are refused before they
-    # are decoded (image bombs).
+    # (None: 16 x max_pixels, at most 4096 x 4096, at least max_pixels; pipeline.contract.limits.
+    # default_max_input_pixels); larger uploads are refused before they are decoded (image bombs).
     default_strength: float = Field(default=0.6, gt=0, le=1)
     max_input_pixels: int | None = Field(default=None, ge=1)
     # The priority of a request that gives none, per route (deployments.scheduling).

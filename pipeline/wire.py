@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, model_serializer
 
-from pipeline.contract.limits import DEFAULT_MAX_INPUT_PIXELS, ServingLimits, parse_size
+from pipeline.contract.limits import ServingLimits, default_max_input_pixels, parse_size
 from pipeline.modes import DualMode, GuidanceMode, InputMode
 
 if TYPE_CHECKING:  # annotations only: the request models import this module's metadata types
@@ -140,7 +140,7 @@ class ModelFacts:
             default_video_priority=limits.get("default_video_priority", "interactive"),
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
-            max_input_pixels=limits.get("max_input_pixels") or max(limits["max_pixels"], DEFAULT_MAX_INPUT_PIXELS), cfg_threshold=self.cfg_threshold,
+            max_input_pixels=limits.get("max_input_pixels") or default_max_input_pixels(limits["max_pixels"]), cfg_threshold=self.cfg_threshold,
             min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree,
             sequence_multiple=self.sequence_multiple, requires_image=self.requires_image, max_side=self.max_side,
             max_latent_frames=self.max_latent_frames, max_aspect_ratio=self.max_aspect_ratio)

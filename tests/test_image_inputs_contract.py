@@ -96,17 +96,20 @@ def test_output_size_follows_size_or_the_image():
 def test_a_photo_larger_than_max_pixels_is_scaled_down_by_default():
     """``limits.max_input_pixels`` unset was ``max_pixels``: a 12 MP phone photo was refused
     where ``max_pixels`` is 2 MP (flux-dev-1gpu), though the output would be scaled down anyway
-    (helper-63). It defaults to ``max_pixels``, at least 4096 x 4096; a config's own stands."""
+    (helper-63). It defaults to 16 x ``max_pixels``, at most 4096 x 4096 (helper-65: 16 MP on a
+    64x64 CPU model cost 68 MB per decode); a config's own stands."""
     from deployments.config import LimitsConfig
-    from pipeline.contract.limits import DEFAULT_MAX_INPUT_PIXELS
     from pipeline.wire import ModelFacts
 
     facts = ModelFacts("flux", 16, True, num_blocks=4, input_modes=(InputMode.IMAGE_TO_IMAGE,))
     config = LimitsConfig(max_pixels=128 * 128).model_dump()
     limits = facts.limits("tiny-flux", config)
-    assert limits.max_input_pixels == DEFAULT_MAX_INPUT_PIXELS == 4096 * 4096
+    assert limits.max_input_pixels == 16 * 128 * 128
     photo = edit({"image": picture((400, 300))}, limits)  # 120,000 pixels > max_pixels
     assert (photo.width, photo.height) == (144, 96)  # scaled to max_pixels, 16-pixel multiples
+    assert refused({"image": picture((600, 500))}, limits).code == "image_too_large"  # 300,000 > 262,144
+    flux_dev = facts.limits("flux-dev", {**config, "max_pixels": 2 * 1024 * 1024})
+    assert flux_dev.max_input_pixels == 4096 * 4096  # a 12 MP photo is taken
     assert facts.limits("x", {**config, "max_pixels": 5000 * 5000}).max_input_pixels == 5000 * 5000
     own = facts.limits("tiny-flux", {**config, "max_input_pixels": 200 * 200})
     assert refused({"image": picture((400, 300))}, own).code == "image_too_large"

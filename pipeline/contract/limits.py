@@ -11,9 +11,18 @@ from pipeline.modes import DualMode, GuidanceMode, InputMode
 SIZE_RE = re.compile(r"^([0-9]{1,9})x([0-9]{1,9})$")  # ASCII digits only, no spaces; a side past 9 digits is no size
 # Guidance scales above this only saturate the image; the bound keeps every scale far inside float32.
 MAX_GUIDANCE_SCALE = 100.0
-# limits.max_input_pixels when the config gives none (and max_pixels is smaller): 4096 x 4096, a
-# phone photo (12 MP) and more; a larger upload is refused before it is decoded (image bombs)
+# limits.max_input_pixels when the config gives none: max_pixels x 16, up to 4096 x 4096 (a phone
+# photo, 12 MP, and more), never below max_pixels; a larger upload is refused before it is decoded
 DEFAULT_MAX_INPUT_PIXELS = 4096 * 4096
+
+
+def default_max_input_pixels(max_pixels: int) -> int:
+    """``limits.max_input_pixels`` when the config gives none: ``16 · max_pixels``, at most
+    ``DEFAULT_MAX_INPUT_PIXELS``, at least ``max_pixels`` (pixels). It was ``max_pixels``, which
+    refused a 12 MP photo where ``max_pixels`` is 2 MP, though an edit scales it down
+    (helper-63); 16 MP everywhere cost a 64x64 CPU model's Ingress 68 MB per decode
+    (helper-65), so the bound follows the model's scale."""
+    return max(max_pixels, min(DEFAULT_MAX_INPUT_PIXELS, 16 * max_pixels))
 
 
 @dataclass(frozen=True)
