@@ -234,7 +234,8 @@ def _check_policy(given: dict) -> None:
             made(**policy.policy_kwargs)
         except Exception as exc:  # noqa: BLE001 - whatever the policy's constructor raises, Serve's would too
             raise ValueError(f"deployments: DiTReplica's autoscaling_config.policy: {made.__name__}(**policy_kwargs) "
-                             f"with policy_kwargs={policy.policy_kwargs!r} raised {type(exc).__name__}: {exc}") from None
+                             f"with policy_kwargs={policy.policy_kwargs!r} raised {type(exc).__name__}: "
+                             f"{exc}") from None
 
 
 def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:

@@ -141,7 +141,8 @@ def _target_problem(module: torch.nn.Module | None, weights: dict[str, torch.Ten
         return f"lora_B {tuple(up.shape)} does not fit out_features={base.out_features}"
     if up.shape[1] != down.shape[0]:
         return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} have different ranks"
-    vectors = {"lora_A.bias": down.shape[0], "lora_B.bias": base.out_features, "lora_magnitude_vector": base.out_features}
+    vectors = {"lora_A.bias": down.shape[0], "lora_B.bias": base.out_features,
+               "lora_magnitude_vector": base.out_features}
     for kind, size in vectors.items():
         if kind in weights and tuple(weights[kind].shape) != (size,):
             return f"{kind} {tuple(weights[kind].shape)} is not a vector of {size}"

@@ -1147,7 +1147,8 @@ def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, m
 
 
 @pytest.mark.parametrize("mutate, said", [
-    (lambda c, a: a["args"]["model"].update(device="cuda"), "model.device is 'cuda' but DiTReplica asks Ray for no GPU"),
+    (lambda c, a: a["args"]["model"].update(device="cuda"),
+     "model.device is 'cuda' but DiTReplica asks Ray for no GPU"),
     (lambda c, a: a["args"]["replica"].update(ray_actor_options={"num_cpus": 1, "num_gpus": 1}),
      "model.device is 'cpu' but DiTReplica asks Ray for 1 GPU(s), which it reserves and never uses"),
     (lambda c, a: (a["args"]["model"].update(device="cuda"),

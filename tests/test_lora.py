@@ -301,7 +301,8 @@ BROKEN = {
     # helper-65: each passed the first version of the check
     "rank 0": (lambda state: [state.update({k: v[:0] if "lora_A" in k else v[:, :0]}) for k, v in list(state.items())],
                "lora_A (0, 64) has rank 0"),
-    "DoRA NaN": (lambda state: state.update({"transformer.proj_out.lora_magnitude_vector": torch.full((16,), torch.nan)}),
+    "DoRA NaN": (lambda state: state.update({"transformer.proj_out.lora_magnitude_vector":
+                                             torch.full((16,), torch.nan)}),
                  "proj_out: lora_magnitude_vector holds NaN or infinite values"),
     "DoRA shape": (lambda state: state.update({"transformer.proj_out.lora_magnitude_vector": torch.ones(3)}),
                    "proj_out: lora_magnitude_vector (3,) is not a vector of 16"),
