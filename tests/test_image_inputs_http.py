@@ -154,7 +154,9 @@ def test_the_handle_edits_with_image_bytes(url):
     ("not an image", {"image": ("a.png", b"hello", "image/png")}, {}, 400, "image"),
     ("truncated", {"image": ("a.png", NOISE[:len(NOISE) // 2], "image/png")}, {}, 400, "image"),
     ("image bomb", {"image": ("a.png", png(Image.new("1", (12000, 12000))), "image/png")}, {}, 400, "image"),
-    ("over max_pixels", {"image": ("a.png", png(Image.new("RGB", (300, 300))), "image/png")}, {}, 400, "image"),
+    # over limits.max_input_pixels, 16 x max_pixels by default (300 x 300, over max_pixels, is scaled down)
+    ("over max_input_pixels", {"image": ("a.png", png(Image.new("RGB", (1100, 1000))), "image/png")}, {}, 400,
+     "image"),
     ("mask size", {"image": ("a.png", RED_CIRCLE, "image/png"), "mask": ("m.png", right_half_mask((32, 32)),
                                                                            "image/png")}, {}, 400, "mask"),
     ("alpha-less mask", {"image": ("a.png", RED_CIRCLE, "image/png"),
