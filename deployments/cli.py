@@ -145,6 +145,11 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
     return apps, others
 
 
+def _env_vars(runtime_env) -> object:
+    """A ``runtime_env``'s ``env_vars`` as written (None: none given, or no runtime_env)."""
+    return runtime_env.get("env_vars") if isinstance(runtime_env, dict) else None
+
+
 def _deploy_time_problem(schema) -> str | None:
     """What Ray's ``ServeDeploySchema`` (2.60) lets pass and Serve refuses only as it deploys
     (helper-64: ``--check`` passed both): a ``route_prefix`` Serve's ``validate_route_prefix``
@@ -163,7 +168,7 @@ def _deploy_time_problem(schema) -> str | None:
                   (d.model_dump(exclude_unset=True).get("ray_actor_options") or {}).get("runtime_env"))
                  for j, d in enumerate(app.deployments)]
         for where, env in envs:
-            env_vars = (env or {}).get("env_vars") if isinstance(env, dict) else None
+            env_vars = _env_vars(env)
             if env_vars is None:
                 continue
             if not isinstance(env_vars, dict):
@@ -432,10 +437,10 @@ def _auth_notes(app: dict) -> list[str]:
     unset here and not in the application's ``runtime_env.env_vars`` (nor the Ingress entry's), a file missing here
     (helper-59: ``--check`` passed both without a word)."""
     auth = (app.get("args") or {}).get("auth") or {}
-    env_vars = dict((app.get("runtime_env") or {}).get("env_vars") or {})
+    env_vars = dict(_env_vars(app.get("runtime_env")) or {})  # mappings of strings: _deploy_time_problem's
     for entry in app.get("deployments") or ():  # the Ingress entry's, which Serve merges over them (helper-65)
         if entry.get("name") == "Ingress":
-            env_vars.update(((entry.get("ray_actor_options") or {}).get("runtime_env") or {}).get("env_vars") or {})
+            env_vars.update(_env_vars((entry.get("ray_actor_options") or {}).get("runtime_env")) or {})
     notes = []
     for field in ("api_keys", "batch_api_keys"):
         name, path = auth.get(f"{field}_env"), auth.get(f"{field}_file")

@@ -56,7 +56,8 @@ class LiveUpdates:
         except ValueError as exc:
             if not self.serving:
                 raise
-            said = validation_line(exc) if isinstance(exc, ValidationError) else str(exc)  # pydantic's runs to many lines
+            # pydantic's runs to many lines
+            said = validation_line(exc) if isinstance(exc, ValidationError) else str(exc)
             self.refused = {"error": said, "at": time.time()}
             logger.error("%s: the user_config update was refused; the settings in force stay: %s",
                          self.deployment, said)

@@ -503,11 +503,10 @@ class BatchRunner:
         """``run``'s encoding of ``out`` (rank 0): one RequestOutput per request of ``batch``."""
         head = batch.requests[0]
         t0 = time.perf_counter()
-        failures = dict(out.failures or {})
-        for i, samples in enumerate(out.images):
-            if samples is not None and i not in failures and not all(np.isfinite(v).all() for v in samples):
-                failures[i] = ("output", None)  # a NaN decodes to black: answered as a failure, not a black image
-        images = [None if i in failures else samples for i, samples in enumerate(out.images)]
+        # a NaN decodes to black: such a request is answered as a failure, not with a black image
+        non_finite = {i for i, samples in enumerate(out.images)
+                      if samples is not None and not all(np.isfinite(v).all() for v in samples)}
+        images = [None if i in non_finite else samples for i, samples in enumerate(out.images)]
         media = [None if samples is None else
                  [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
                   for v in samples]
@@ -518,7 +517,7 @@ class BatchRunner:
         encode_ms = (time.perf_counter() - t0) * 1e3
         report = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
-        dropped = out.dropped or {}
+        failures, dropped = out.failures or {}, out.dropped or {}
         outputs = []
         for i, (p, items) in enumerate(zip(batch.requests, media, strict=True)):
             # its own cfg_gate_step: batch-mates' fractions may differ where they gate at one step
@@ -527,18 +526,18 @@ class BatchRunner:
             if i in dropped:
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration,
                                              dropped_at_step=dropped[i]))
-            elif i in failures and failures[i][0] == "output":
-                error = InternalError(
-                    f"the model's output for request {p.request_id} holds NaN or infinite values (a numerical "
-                    f"overflow, or an adapter's weights); the other requests of its batch ran",
-                    code="non_finite_output", request_id=p.request_id)
-                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             elif i in failures:
                 field, exc = failures[i]
                 error = InvalidRequestError(
                     f"{field} of request {p.request_id} could not be encoded by the model's tokenizer "
                     f"({type(exc).__name__}); the other requests of its batch ran", param=field,
                     code="unprocessable_text", request_id=p.request_id)
+                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
+            elif i in non_finite:
+                error = InternalError(
+                    f"the model's output for request {p.request_id} holds NaN or infinite values (a numerical "
+                    f"overflow, or an adapter's weights); the other requests of its batch ran",
+                    code="non_finite_output", request_id=p.request_id)
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             else:
                 outputs.append(RequestOutput(p.request_id, p.seed, thumbnails[i] if video else items, dict(timings),

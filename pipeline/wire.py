@@ -140,7 +140,8 @@ class ModelFacts:
             default_video_priority=limits.get("default_video_priority", "interactive"),
             loras=dict(loras or {}), max_loras=limits.get("max_loras", 4), input_modes=self.input_modes,
             max_input_images=self.max_input_images, default_strength=limits.get("default_strength", 0.6),
-            max_input_pixels=limits.get("max_input_pixels") or default_max_input_pixels(limits["max_pixels"]), cfg_threshold=self.cfg_threshold,
+            max_input_pixels=limits.get("max_input_pixels") or default_max_input_pixels(limits["max_pixels"]),
+            cfg_threshold=self.cfg_threshold,
             min_steps=self.min_steps, true_cfg_default=self.true_cfg_default, cfg_degree=self.cfg_degree,
             sequence_multiple=self.sequence_multiple, requires_image=self.requires_image, max_side=self.max_side,
             max_latent_frames=self.max_latent_frames, max_aspect_ratio=self.max_aspect_ratio)
