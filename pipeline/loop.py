@@ -48,7 +48,9 @@ class LoopOutput:
     for a request in ``failures``). ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``:
     transformer name -> forwards run. ``failures``: batch index -> (request field, exception)
     of the requests taken out of the batch because their own input failed. ``dropped``: batch
-    index -> steps done when the request's rows were dropped (nobody waited for it; no image)."""
+    index -> steps done when the request's rows were dropped (nobody waited for it; no image).
+    ``non_finite``: batch indices whose final latents hold NaN or ±inf (a numerical overflow;
+    their decoded images are not to be answered: the VAE's post-processing clamps +inf to white)."""
 
     images: list[np.ndarray | None]
     denoise_ms: float
@@ -58,6 +60,7 @@ class LoopOutput:
     calls: dict | None = None
     failures: dict[int, tuple[str, Exception]] | None = None
     dropped: dict[int, int] | None = None
+    non_finite: set[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,9 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         if i + 1 in previews:
             x0 = x0_prediction(scheduler, latents, noise_pred, i)
             for j, k in previews[i + 1]:
-                on_preview(keep[j], k, family.decode_preview(x0[splits[j]:splits[j + 1]], head))
+                rows = x0[splits[j]:splits[j + 1]]
+                if torch.isfinite(rows).all():  # an overflowed request streams no black or white previews
+                    on_preview(keep[j], k, family.decode_preview(rows, head))
         latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         latents = family.after_step(latents, positions, i, scheduler, schedule.timesteps)
         if on_step is not None:
@@ -392,6 +397,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             family.decode(latents, head, vae_decode=vae_decode)  # this rank's tiles, gathered on rank 0
         return LoopOutput([], (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, num_steps, reused, calls,
                           failures or None, dropped or None)
+    finite = torch.isfinite(latents.flatten(1)).all(dim=1).tolist()  # one bool per sample row
+    non_finite = {b for b, a, z in zip(keep, splits[:-1], splits[1:], strict=True) if not all(finite[a:z])}
     images = family.decode(latents, head, vae_decode=vae_decode)  # host numpy arrays: the device has finished
     t2 = time.perf_counter()
     per_request: list[np.ndarray | None] = [None] * len(batch)
@@ -399,4 +406,5 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
         per_request[i] = images[a:b]
     return LoopOutput(
         images=per_request, denoise_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, steps=num_steps,
-        cfg_reused_steps=reused, calls=calls, failures=failures or None, dropped=dropped or None)
+        cfg_reused_steps=reused, calls=calls, failures=failures or None, dropped=dropped or None,
+        non_finite=non_finite or None)

@@ -143,3 +143,34 @@ def test_a_non_finite_output_fails_its_request_alone(monkeypatch):
     assert requests[1].request_id in error.message and error.to_envelope()["error"]["type"] == "server_error"
     for i in (0, 2):
         assert outputs[i].error is None and np.array_equal(pixels(outputs[i].images[0]), pixels(fine[i].images[0]))
+
+
+def test_an_overflowed_request_streams_no_previews_and_fails_alone(monkeypatch):
+    """Latents that overflow to +inf: the VAE's post-processing clamps +inf to white, so the
+    decoded-output check alone answered a white image with 200 (helper-65), and the previews
+    of such a request streamed black or white frames. The final latents are checked per
+    request, previews of non-finite predictions are not sent, and batch-mates are unaffected."""
+    from pipeline.runner import BatchRunner
+    from tests.helpers import batch_of, pixels
+
+    runner = BatchRunner("tiny-flux")
+    requests = [params(p, s, partial_images=2) for p, s in
+                (("a red circle", 3), ("a blue square", 4), ("a green star", 5))]
+    fine_previews: list[dict] = []
+    fine = runner.run(batch_of(*requests), on_preview=fine_previews.append)
+    after_step = runner.family.after_step
+
+    def overflowed(latents, *args, **kwargs):
+        latents = after_step(latents, *args, **kwargs).clone()
+        latents[1, 0, 0] = float("inf")  # one value of the second request's latents, from the first step on
+        return latents
+
+    monkeypatch.setattr(runner.family, "after_step", overflowed)
+    previews: list[dict] = []
+    outputs = runner.run(batch_of(*requests), on_preview=previews.append)
+    error = outputs[1].error
+    assert error is not None and error.code == "non_finite_output" and outputs[1].images == []
+    assert {e["request_id"] for e in previews} == {requests[0].request_id, requests[2].request_id}
+    assert previews == [e for e in fine_previews if e["request_id"] != requests[1].request_id]
+    for i in (0, 2):
+        assert outputs[i].error is None and np.array_equal(pixels(outputs[i].images[0]), pixels(fine[i].images[0]))
