@@ -291,7 +291,8 @@ class Ingress:
 
     async def edit(self, request: ImageEditRequest | dict | None = None, /, **fields) -> ImageGenerationResponse:
         """Edit images for one request (same contract as ``POST /v1/images/edits``; ``image``
-        and ``mask`` as file bytes): image-to-image, inpainting with a ``mask``, or reference
+        and ``mask`` as file bytes, ``bytes`` or ``bytearray``, several images as a list or
+        tuple): image-to-image, inpainting with a ``mask``, or reference
         editing on a FLUX.1 Kontext model. Raises as ``generate`` does; a bad upload is an
         ``InvalidRequestError`` naming ``image`` or ``mask``."""
         started = time.perf_counter()

@@ -255,3 +255,21 @@ def test_a_repeated_image_form_field_becomes_a_list():
                         file_lists=("image",))
     assert body["image"] == [b"a", b"b"]
     assert "at most 1" in str(refused({"image": [picture(), picture()]}))
+
+
+def test_a_handle_callers_bytes_like_files_are_taken_as_bytes():
+    """``bytearray``, ``memoryview`` and a tuple of files were 400s ("Input should be a valid
+    bytes") on the handle API, which takes file bytes (helper-63). They now resolve as bytes do."""
+    image, mask = picture(), mask_png()
+    want = edit({"image": image, "mask": mask, "seed": 1})
+    for given in ({"image": bytearray(image), "mask": memoryview(mask)}, {"image": (image,), "mask": bytearray(mask)},
+                  {"image": [memoryview(image)], "mask": mask}):
+        p = edit({**given, "seed": 1})
+        assert p.input_mode == want.input_mode and p.mask.array().tobytes() == want.mask.array().tobytes()
+        assert p.images[0].array().tobytes() == want.images[0].array().tobytes()
+    assert refused({"image": [image, 7]}).param == "image"  # what is not a file is still refused by name
+    i2v = ServingLimits("tiny-wan-i2v", 16, 64, 48, 4, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                        guidance_embeds=False, input_modes=(InputMode.IMAGE_TO_VIDEO,))
+    for reference in (bytearray(image), memoryview(image)):
+        p = resolve_video(validate_video_request({"prompt": "a ball", "input_reference": reference}, i2v), i2v)
+        assert p.images[0].array().shape == (48, 64, 3)

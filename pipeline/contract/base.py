@@ -34,6 +34,13 @@ def limits_of(info: ValidationInfo) -> ServingLimits | None:
     return (info.context or {}).get("limits")
 
 
+def file_bytes(v: object) -> object:
+    """An uploaded file's value as ``bytes``: a handle caller's ``bytearray`` or ``memoryview``
+    is copied to ``bytes`` (the strict models took ``bytes`` only); other values unchanged,
+    for the field's own check to name."""
+    return bytes(v) if isinstance(v, (bytearray, memoryview)) else v
+
+
 def non_negative(v: float | None, info: ValidationInfo) -> float | None:
     if v is not None and (not math.isfinite(v) or v < 0):
         raise ValueError(f"{info.field_name} must be a finite number >= 0, got {v}")

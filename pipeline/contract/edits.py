@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.contract.base import limits_of, step_problems, validate_body
+from pipeline.contract.base import file_bytes, limits_of, step_problems, validate_body
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.limits import ServingLimits, parse_size
 from pipeline.contract.uploads import alpha_of, auto_size, fitted, open_image, to_rgb
@@ -67,6 +67,17 @@ class ImageEditRequest(ImageGenerationRequest):
     image: bytes | list[bytes] = Field(repr=False)
     mask: bytes | None = Field(default=None, repr=False)
     strength: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _image_buffers(cls, v: object) -> object:
+        """bytes-like buffers, and a tuple of files as a list (a handle caller's)."""
+        return [file_bytes(one) for one in v] if isinstance(v, (list, tuple)) else file_bytes(v)
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _mask_buffer(cls, v: object) -> object:
+        return file_bytes(v)
 
     @field_validator("image")
     @classmethod

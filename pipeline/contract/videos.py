@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
-from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, validate_body
+from pipeline.contract.base import GenerationRequest, file_bytes, guidance_scale, limits_of, validate_body
 from pipeline.contract.text import shown
 from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
@@ -65,6 +65,7 @@ class VideoGenerationRequest(GenerationRequest):
     def _input_reference_upload(cls, v: object) -> object:
         """Only an uploaded file: OpenAI's JSON forms (``{"image_url": ...}``, ``{"file_id": ...}``)
         were refused as 'Input should be a valid bytes'."""
+        v = file_bytes(v)
         if v is not None and not isinstance(v, bytes):
             raise ValueError("input_reference takes an uploaded image file (a multipart form field, as the SDK "
                              f"sends a file); {type(v).__name__} given (image_url and file_id are not served)")
