@@ -82,8 +82,14 @@ def lora_file(pipe, path: str) -> tuple[dict[str, torch.Tensor], dict | None, di
     alphas = rest[0] if len(rest) == 2 else None
     metadata = rest[-1] if rest else None
     other = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
-    if other:
-        raise ValueError(f"has weights for {', '.join(other)}; only transformer adapters are served")
+    components = [name for name in other if name in pipe.components]
+    if components:
+        raise ValueError(f"has weights for {', '.join(components)}; only transformer adapters are served")
+    if other:  # diffusers' own load_lora_weights skips such keys with a warning: the adapter would do nothing
+        key = next(k for k in state_dict if not k.startswith("transformer."))
+        raise ValueError(f"its keys do not start with 'transformer.' ({key!r}), so diffusers would load none of "
+                         "them; save it with the pipeline's save_lora_weights(dir, transformer_lora_layers=...), "
+                         "which adds the prefix")
     if not any("lora" in k for k in state_dict):
         raise ValueError("has no LoRA weights")
     return state_dict, alphas, metadata

@@ -396,3 +396,22 @@ def test_two_ranks_with_adapters_equal_one_rank(ray_cluster, runner):
     finally:
         for w in workers:
             ray.kill(w)
+
+
+def test_an_adapter_without_the_transformer_prefix_is_refused_saying_so(tmp_path, runner):
+    """Keys saved without ``transformer.`` (PEFT's ``get_peft_model_state_dict`` on the bare
+    transformer) were refused as weights "for norm_out, single_transformer_blocks, ..." as if
+    those were pipeline components (helper-65); diffusers' own ``load_lora_weights`` loads none
+    of them. The message names the prefix and how to save the file."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(f"{MAGENTA}/pytorch_lora_weights.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in state.items()}, str(tmp_path / "bare.safetensors"))
+    with pytest.raises(ValueError, match=r"model.loras.bare: cannot read .*do not start with 'transformer.' "
+                                         r"\('norm_out.*save_lora_weights") as refused:
+        runner.lora.check("bare", str(tmp_path / "bare.safetensors"))
+    assert "has weights for" not in str(refused.value)
+    save_file({k.replace("transformer.", "text_encoder.", 1): v for k, v in state.items()},
+              str(tmp_path / "text.safetensors"))
+    with pytest.raises(ValueError, match="has weights for text_encoder; only transformer adapters are served"):
+        runner.lora.check("text", str(tmp_path / "text.safetensors"))
