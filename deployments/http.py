@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -468,6 +469,28 @@ def load_api_keys(api_keys_env: str | None = None, api_keys_file: str | None = N
             raise ValueError(f"auth.{field}_file {api_keys_file} holds no key (# comments aside)")
         keys += found
     return tuple(keys)
+
+
+MIN_API_KEY_CHARS = 16  # OpenAI's keys have over 40; a short key can be guessed
+
+
+def api_key_sets(auth: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(api_keys, batch_api_keys)`` of an ``auth`` config section (:func:`load_api_keys`).
+    Raises ``ValueError`` for a key given in both sets (its requests' default priority would
+    be ambiguous); logs a warning naming how many keys are shorter than ``MIN_API_KEY_CHARS``
+    (accepted: a test setup's keys may be short)."""
+    keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
+    batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"), "batch_api_keys")
+    both = set(keys) & set(batch_keys)
+    if both:
+        raise ValueError(f"{len(both)} key(s) are both in auth.api_keys_* and in auth.batch_api_keys_*: a key's "
+                         "requests default to one priority, so give each key in one set only")
+    short = sum(len(k) < MIN_API_KEY_CHARS for k in (*keys, *batch_keys))
+    if short:
+        logging.getLogger("ray.serve").warning(
+            "%d API key(s) are shorter than %d characters and could be guessed; use long random keys "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))')", short, MIN_API_KEY_CHARS)
+    return keys, batch_keys
 
 
 class AdmissionHeader:

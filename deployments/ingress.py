@@ -24,9 +24,9 @@ from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
 from deployments.config import AccelerationConfig, admission_limit_of, ingress_update, lora_registry
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
-from deployments.http import (AdmissionHeader, BearerAuth, as_ditserve_error, caller_scope, idempotency_scope,
-                              install_error_handlers, json_body, json_or_form_body, key_default_priority,
-                              load_api_keys, query_params, request_body, request_fingerprint, single_header)
+from deployments.http import (AdmissionHeader, BearerAuth, api_key_sets, as_ditserve_error, caller_scope,
+                              idempotency_scope, install_error_handlers, json_body, json_or_form_body,
+                              key_default_priority, query_params, request_body, request_fingerprint, single_header)
 from deployments.serve_logs import answers_are_not_failures
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
@@ -168,8 +168,7 @@ class Ingress:
         self._max_json_bytes = min(limits["max_json_body_bytes"], limits["max_body_bytes"])
         self._max_body_bytes = limits["max_body_bytes"]
         auth = config.get("auth") or {}
-        keys = load_api_keys(auth.get("api_keys_env"), auth.get("api_keys_file"))
-        batch_keys = load_api_keys(auth.get("batch_api_keys_env"), auth.get("batch_api_keys_file"), "batch_api_keys")
+        keys, batch_keys = api_key_sets(auth)
         api.state.api_keys = tuple(k.encode() for k in (*keys, *batch_keys))
         api.state.batch_api_keys = tuple(k.encode() for k in batch_keys)
         api.state.admission_limit = config.get("admission_limit")  # for the proxy's AdmissionGate

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from deployments.http import form_to_body, load_api_keys, parse_json
+from deployments.http import api_key_sets, form_to_body, load_api_keys, parse_json
 from pipeline.cache_dit_actions import preset_step_counts
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -266,6 +266,27 @@ def test_api_keys_come_from_an_env_var_or_a_file(tmp_path, monkeypatch):
             load_api_keys(None, str(tmp_path / "blank"), "batch_api_keys")
     with pytest.raises(ValueError, match="not a readable file"):
         load_api_keys(None, str(tmp_path / "missing"))
+
+
+def test_a_key_in_both_sets_is_refused_and_short_keys_are_warned_about(monkeypatch, caplog):
+    """A key in ``api_keys`` and ``batch_api_keys`` defaulted its requests to ``batch`` without a
+    word; it is refused at the Ingress's start. Keys under 16 characters are accepted (a test
+    setup's) with a warning."""
+    long_key, other = "sk-" + "a" * 40, "sk-" + "b" * 40
+    monkeypatch.setenv("DITSERVE_KEYS", f"{long_key}, short")
+    monkeypatch.setenv("DITSERVE_BATCH_KEYS", f"{other}, {long_key}")
+    with pytest.raises(ValueError, match=r"1 key\(s\) are both in auth.api_keys_\* and in auth.batch_api_keys_\*"):
+        api_key_sets({"api_keys_env": "DITSERVE_KEYS", "batch_api_keys_env": "DITSERVE_BATCH_KEYS"})
+    monkeypatch.setenv("DITSERVE_BATCH_KEYS", other)
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        sets = api_key_sets({"api_keys_env": "DITSERVE_KEYS", "batch_api_keys_env": "DITSERVE_BATCH_KEYS"})
+    assert sets == ((long_key, "short"), (other,))
+    assert "1 API key(s) are shorter than 16 characters" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("DITSERVE_KEYS", long_key)
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        assert api_key_sets({"api_keys_env": "DITSERVE_KEYS"}) == ((long_key,), ())
+    assert "shorter" not in caplog.text
 
 
 # -- 2. what still fails inside a batch fails alone ---------------------------------------------
