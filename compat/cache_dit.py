@@ -50,6 +50,22 @@ def contexts(transformer) -> list:
                           f"ditserve is tested with cache-dit{TESTED}") from None
 
 
+def disable_cache(transformer) -> None:
+    """``cache_dit.disable_cache(transformer)``, also where the forward cache-dit saved when it
+    mounted is a ``functools.partial``: diffusers' hook registry makes a module's ``forward``
+    one (group offloading's hooks on a Wan transformer), and cache-dit 1.5 restores the saved
+    forward with ``__get__``, which a partial lacks (``AttributeError``; helper-67: every
+    unmount and remount failed its batch). Such a forward is put back as it was, an instance
+    attribute, before cache-dit releases the rest."""
+    import cache_dit
+
+    original = getattr(transformer, "_original_forward", None)
+    if original is not None and not hasattr(original, "__get__"):
+        transformer.forward = original
+        del transformer._original_forward
+    cache_dit.disable_cache(transformer)
+
+
 def advance_one_call(transformer) -> None:
     """Advance every context of ``transformer`` by one call (``mark_step_begin``): a
     separate-CFG context tells the conditional and guiding calls apart by parity."""

@@ -37,7 +37,7 @@ EXPORTED_COUNTERS = {
     "state_changes": "Batches whose signature differed from the replica's previous batch's",
     "mounts": "Cache-DiT mounts", "remounts": "Cache-DiT mounts after an unmount",
     "refreshes": "Cache-DiT refreshes (same key, new steps)", "unmounts": "Cache-DiT unmounts",
-    "mount_failures": "Cache-DiT mounts that raised (their batch failed)",
+    "mount_failures": "Cache-DiT mounts, remounts and unmounts that raised (their batch failed)",
     "attention_switches": "Attention kernel switches", "compiles": "torch.compile builds",
     "offload_moves": "Idle-expert offload moves (a transformer brought to the device)",
     "lora_loads": "LoRA adapter loads on this replica (rank 0)",

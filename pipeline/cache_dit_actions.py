@@ -130,7 +130,7 @@ class CacheDiTExecutor:
         with self._suspend_split(self.transformer):
             try:
                 if remount:
-                    cache_dit.disable_cache(self.transformer)
+                    compat.disable_cache(self.transformer)
                 config, calibrator = build_cache_config(key.params, num_inference_steps, key.separate_cfg,
                                                         run_steps)
                 cache_dit.enable_cache(_cache_target(self.transformer, key.separate_cfg),
@@ -157,12 +157,11 @@ class CacheDiTExecutor:
         self.counters["refreshes"] += 1
 
     def unmount(self) -> None:
-        import cache_dit
-
         with self._suspend_split(self.transformer):
             try:
-                cache_dit.disable_cache(self.transformer)
+                compat.disable_cache(self.transformer)
             except Exception:
+                self.counters["mount_failures"] += 1
                 self._remove_hooks()
                 raise
         self.counters["unmounts"] += 1
@@ -174,10 +173,8 @@ class CacheDiTExecutor:
                 self._remove_hooks()
 
     def _remove_hooks(self) -> None:
-        import cache_dit
-
         try:
-            cache_dit.disable_cache(self.transformer)
+            compat.disable_cache(self.transformer)
         except Exception:  # nothing mounted after all
             pass
 

@@ -332,10 +332,36 @@ def test_registry_adapts_a_transformer_cache_dit_does_not_know():
     transformer.__class__ = TinyDiT
     with pytest.raises(StateTransitionError, match="ValueError: cache-dit has no adapter for TinyDiT"):
         run(runner, {**BASE, "enable_cache_dit": True})
+    assert runner.counters()["mount_failures"] == 1
     register_blocks("TinyDiT", ("transformer_blocks", "single_transformer_blocks"), ("Pattern_1", "Pattern_1"))
     # per block list, like cache-dit's own Flux adapter: Fn must fit the 2 double-stream blocks
     out = run(runner, {**BASE, "enable_cache_dit": True, "cache_dit_params": {**STATIC_FAST, "Fn_compute_blocks": 1}})[0]
     assert out.acceleration.cache_dit.active and out.acceleration.cache_dit.cached_steps > 0
+
+
+def test_a_failed_unmount_fails_its_batch_is_counted_and_the_next_batch_runs_exact(monkeypatch):
+    """helper-67: an unmount that raised failed its batch without a count (``mount_failures``
+    counted mounts only). The hooks are removed, so the next batch is the exact run."""
+    from compat import cache_dit as compat_cache_dit
+
+    runner = BatchRunner("tiny-flux")
+    exact = run(runner, BASE)[0]
+    run(runner, {**BASE, "enable_cache_dit": True, "cache_dit_params": STATIC_FAST})
+    disable = compat_cache_dit.disable_cache
+    calls = []
+
+    def fails_once(transformer):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("unmount broke")
+        disable(transformer)
+
+    monkeypatch.setattr(compat_cache_dit, "disable_cache", fails_once)
+    with pytest.raises(StateTransitionError, match="unmount transformer failed: RuntimeError: unmount broke"):
+        run(runner, BASE)
+    assert runner.counters()["mount_failures"] == 1 and runner.counters()["unmounts"] == 0
+    again = run(runner, BASE)[0]
+    assert np.array_equal(again.images[0], exact.images[0])
 
 
 def test_state_actions_are_logged_with_the_batch_id_and_the_record_is_bounded(runner, caplog):
