@@ -146,6 +146,7 @@ class Router:
         self._trimmer = IdleTrimmer(lambda: self._queued + self._inflight)
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # _expire_callers: leases, the status watch, the queue-depth gauge
         self._facts: ModelFacts | None = None
         self._batch_ids = itertools.count()
         self._counters = Tally()
@@ -180,6 +181,11 @@ class Router:
         self._metric_steps_saved = Counter("ditserve_steps_saved", "Denoising steps not run because their callers "
                                            "left: a stopped batch's steps, a dropped request's steps x n",
                                            tag_keys=("scope",))
+        try:  # the watch from the start: the queue-depth gauge was not exported until a first request (helper-67)
+            self._watch = asyncio.get_running_loop().create_task(self._expire_callers(),
+                                                                 context=contextvars.Context())
+        except RuntimeError:  # no loop here (Serve builds replicas in its loop): the first call starts it
+            pass
 
     async def reconfigure(self, batching: dict) -> None:
         """Serve's ``user_config`` hook: new batching knobs apply to the next batch formed; a knob
@@ -314,13 +320,16 @@ class Router:
         return adapters_refused_everywhere(self._replica.app_name, self._replica.deployment_name)
 
     def _start_loops(self) -> None:
-        """Start the scheduler and the lease / status watch, once (on the first call that needs them)."""
+        """Start the scheduler and the lease / status watch, once each (the watch from the
+        start where a loop runs there; the scheduler on the first call that needs it). Raises
+        ``RuntimeError`` outside an event loop."""
+        loop = asyncio.get_running_loop()
+        # A fresh context: the tasks outlive the request that happens to start them, and Serve
+        # cancels the calls a request made (the batches!) when that request is cancelled.
+        if self._watch is None:
+            self._watch = loop.create_task(self._expire_callers(), context=contextvars.Context())
         if self._scheduler is None:
-            loop = asyncio.get_running_loop()
-            # A fresh context: the tasks outlive the request that happens to start them, and Serve
-            # cancels the calls a request made (the batches!) when that request is cancelled.
             self._scheduler = loop.create_task(self._schedule(), context=contextvars.Context())
-            loop.create_task(self._expire_callers(), context=contextvars.Context())
 
     def _refuse_if_unservable(self, request_id: str | None) -> None:
         """Raise (and count) the 503 of a request that comes while the app is being deleted or

@@ -202,6 +202,21 @@ def _png(b64: str | bytes) -> Image.Image:
     return image
 
 
+def test_the_queue_depth_gauge_is_exported_before_any_request(ops_cluster):
+    """Runs before ``client_run`` sends the first request: the Router's 1 s watch, which sets the
+    gauge, started only with the first request, so a fresh or replaced Router exported no
+    queue depth at all (helper-67; dashboards' ``absent()`` alerts fired on an idle app)."""
+    deadline = time.monotonic() + 300  # the app starting, then the periodic export: a bounded wait
+    depth: list[str] = []
+    while time.monotonic() < deadline:
+        depth = [s for s in _scrape(ops_cluster.metrics_url)[1] if s.startswith("ray_ditserve_queue_depth{")]
+        if {p for p in ("interactive", "batch") for s in depth if f'priority="{p}"' in s} == {"interactive", "batch"}:
+            break
+        time.sleep(1)
+    assert depth and all(s.endswith(" 0.0") for s in depth), depth
+    assert not any(s.startswith("ray_ditserve_requests_total") for s in _scrape(ops_cluster.metrics_url)[1])
+
+
 def test_handle_from_another_job_burst_and_typed_errors(client_run):
     burst = client_run["burst"]
     assert len(burst) == 6 and len({r["request_id"] for r in burst}) == 6
