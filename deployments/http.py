@@ -15,6 +15,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +30,7 @@ from deployments.proxy import BODY_SCOPE_KEY, admission_header
 from pipeline.contract.base import MAX_ERRORS_LISTED
 from pipeline.contract.text import shown
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
+                             PermissionDeniedError,
                              PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
 
 JSON_TYPE = "application/json"
@@ -561,6 +563,52 @@ class BearerAuth:
         for key in keys:  # every key compared, each in constant time
             matched |= hmac.compare_digest(token, key)
         return matched
+
+
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+class CrossSiteGuard:
+    """ASGI middleware: a browser's request from another site that would change state (every
+    method but ``GET``, ``HEAD`` and ``OPTIONS``) is refused 403 in the envelope (code
+    ``cross_site_request``). A page on any site could otherwise make its visitors' browsers
+    post edits and video jobs to a server without keys (helper-66): a multipart form is a CORS
+    "simple" request, sent without asking the server first. Browsers say where a request
+    comes from: ``Sec-Fetch-Site`` (``cross-site`` and ``same-site`` are refused; ``same-origin``
+    and ``none``, typed by the user, pass), else ``Origin`` (refused when ``null`` or when its
+    host differs from ``X-Forwarded-Host`` or ``Host``). Clients that are not browsers (the
+    OpenAI SDK, curl, handle calls) send neither and pass; so does the playground page's own
+    fetch (same origin). Fetch Metadata: https://www.w3.org/TR/fetch-metadata/."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS and self.cross_site(scope):
+            response = error_response(PermissionDeniedError(
+                "cross-site request refused: a browser sent it from a page of another site (Sec-Fetch-Site or "
+                "Origin); call the API from this server's own page, or from a client that is not a browser",
+                param=None, code="cross_site_request"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def cross_site(scope) -> bool:
+        """Whether a browser says the request ``scope`` comes from another site (see the class)."""
+        headers = {}
+        for name, value in scope.get("headers") or ():
+            headers.setdefault(name, value.decode("latin-1").strip())
+        fetch_site = headers.get(b"sec-fetch-site", "").lower()
+        if fetch_site:
+            return fetch_site not in ("same-origin", "none")
+        origin = headers.get(b"origin")
+        if origin is None:
+            return False
+        if origin.lower() == "null":  # a sandboxed frame's, or a file's page
+            return True
+        own = headers.get(b"x-forwarded-host", "").split(",")[0].strip() or headers.get(b"host", "")
+        return urlsplit(origin).netloc.lower() != own.lower()
 
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255

@@ -24,8 +24,8 @@ from compat.ray_serve import max_ongoing_requests as live_max_ongoing_requests
 from deployments.config import AccelerationConfig, admission_limit_of, ingress_update, lora_registry
 from deployments.live_config import LiveUpdates
 from deployments.memory import IdleTrimmer
-from deployments.http import (AdmissionHeader, BearerAuth, api_key_sets, as_ditserve_error, caller_scope,
-                              idempotency_scope, install_error_handlers, json_body, json_or_form_body,
+from deployments.http import (AdmissionHeader, BearerAuth, CrossSiteGuard, api_key_sets, as_ditserve_error,
+                              caller_scope, idempotency_scope, install_error_handlers, json_body, json_or_form_body,
                               key_default_priority, query_params, request_body, request_fingerprint, single_header)
 from deployments.serve_logs import answers_are_not_failures
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
@@ -96,6 +96,7 @@ def sse(events) -> StreamingResponse:
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
+api.add_middleware(CrossSiteGuard)  # before the key check: a cross-site form needs no key to be refused
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
 

@@ -51,6 +51,13 @@ class AuthenticationError(DitServeError):
     error_type = "invalid_request_error"
 
 
+class PermissionDeniedError(DitServeError):
+    """403: the request is refused whatever its key (a browser's cross-site request)."""
+
+    status_code = 403
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLargeError(DitServeError):
     """413: the request body is larger than ``limits.max_body_bytes`` (``max_json_body_bytes`` for JSON)."""
 

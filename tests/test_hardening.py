@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from deployments.http import api_key_sets, form_to_body, load_api_keys, parse_json
+from deployments.http import CrossSiteGuard, api_key_sets, form_to_body, load_api_keys, parse_json
 from pipeline.cache_dit_actions import preset_step_counts
 from pipeline.contract.images import validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -471,3 +471,25 @@ def test_the_routers_calls_are_not_access_logged_and_its_app_logging_config_stay
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["the Router's own line"]
+
+
+@pytest.mark.parametrize(("headers", "cross_site"), [
+    ({}, False),  # not a browser: the OpenAI SDK, curl
+    ({"sec-fetch-site": "same-origin", "origin": "http://127.0.0.1:8000"}, False),  # the playground's own fetch
+    ({"sec-fetch-site": "none"}, False),  # typed or bookmarked by the user
+    ({"sec-fetch-site": "cross-site", "origin": "http://127.0.0.1:8000"}, True),  # the header wins over Origin
+    ({"sec-fetch-site": "same-site"}, True),  # another port or subdomain of the site
+    ({"origin": "http://evil.example"}, True),  # a browser without Fetch Metadata
+    ({"origin": "http://127.0.0.1:8000"}, False),
+    ({"origin": "HTTP://127.0.0.1:8000"}, False),
+    ({"origin": "http://localhost:8000"}, True),  # another host name is another origin
+    ({"origin": "null"}, True),  # a sandboxed frame's or a file's page
+    ({"origin": "https://ditserve.example.com", "x-forwarded-host": "ditserve.example.com"}, False),  # behind a proxy
+    ({"origin": "https://evil.example", "x-forwarded-host": "ditserve.example.com"}, True),
+])
+def test_a_browsers_cross_site_request_is_told_apart(headers, cross_site):
+    """helper-66: a page of any site made a visitor's browser post an edit to a server without
+    keys (a multipart form is a CORS "simple" request, sent without a preflight)."""
+    scope = {"type": "http", "method": "POST",
+             "headers": [(b"host", b"127.0.0.1:8000"), *((k.encode(), v.encode()) for k, v in headers.items())]}
+    assert CrossSiteGuard.cross_site(scope) is cross_site

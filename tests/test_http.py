@@ -260,3 +260,27 @@ def test_cli_writes_the_format_of_its_suffix_and_prints_envelope_errors(url, tmp
     assert main(["generate", "", "-o", str(tmp_path / "x.png"), "--url", url]) == 1
     err = capsys.readouterr().err
     assert err == "error 400 invalid_value (prompt): prompt must not be empty\n", err
+
+
+def test_a_cross_site_browser_post_is_refused_before_it_runs(url):
+    """helper-66: a page of another site posted an edit through its visitor's browser (a form
+    needs no CORS preflight), and it ran on this server without keys. 403 before anything is
+    queued; the same form from the server's own page, or from a client that is not a browser,
+    goes through."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 40, 40)).save(buffer, format="PNG")
+    form = {"data": {"prompt": "a blue square", "num_inference_steps": "2"},
+            "files": {"image": ("in.png", buffer.getvalue(), "image/png")}}
+    before = httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]["counters"].get("requests", 0)
+    for headers in ({"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}, {"Origin": "null"},
+                    {"Origin": "http://evil.example"}):
+        refused = httpx.post(f"{url}/v1/images/edits", headers=headers, timeout=60, **form)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "cross_site_request"
+    video = httpx.post(f"{url}/v1/videos", headers={"Sec-Fetch-Site": "cross-site"}, data={"prompt": "x"}, timeout=60)
+    assert video.status_code == 403 and video.json()["error"]["code"] == "cross_site_request"
+    assert httpx.get(f"{url}/v1/stats", timeout=30).json()["router"]["counters"].get("requests", 0) == before
+    own = url.split("//", 1)[1].split("/", 1)[0]
+    for headers in ({"Origin": f"http://{own}", "Sec-Fetch-Site": "same-origin"}, {}):
+        answered = httpx.post(f"{url}/v1/images/edits", headers=headers, timeout=120, **form)
+        assert answered.status_code == 200, answered.text
