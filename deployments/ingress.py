@@ -60,6 +60,10 @@ LIST_QUERY = [
     {"name": "order", "in": "query", "required": False, "description": "by created_at",
      "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}}]
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
+# its inline script and style; images as data: (previews) and blob: (a job's thumbnail), the video as blob:
+PLAYGROUND_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                  "img-src data: blob:; media-src blob:; connect-src 'self' blob:; base-uri 'none'; form-action 'none'; "
+                  "frame-ancestors 'none'")
 EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads
 EDIT_FILE_LISTS = ("image",)  # of those, the one that may repeat (image[], or image given twice)
 VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
@@ -553,8 +557,12 @@ class Ingress:
         """The playground page: a prompt, size/steps/seed and the accelerations, streamed previews
         and progress, the image or video with its ``ditserve`` metadata. Static (no data of the
         server's), so it is served without auth; its API calls carry the key typed into it.
-        ``HEAD`` gets the headers alone (a load balancer's check; it was 401, or 405 with a key)."""
-        return HTMLResponse(PLAYGROUND.read_text(), headers={"Cache-Control": "no-cache"})
+        ``HEAD`` gets the headers alone (a load balancer's check; it was 401, or 405 with a key).
+        Its Content-Security-Policy lets it reach this origin only and be framed by no page
+        (helper-66: another site could frame it and have the user click "generate")."""
+        return HTMLResponse(PLAYGROUND.read_text(), headers={
+            "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+            "Content-Security-Policy": PLAYGROUND_CSP})
 
     @api.api_route("/health", methods=["GET", "HEAD"])
     async def http_health(self):

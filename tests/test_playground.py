@@ -27,6 +27,7 @@ def browser():
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console errors: CSP refusals, 401s
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     yield driver
     driver.quit()
@@ -48,6 +49,10 @@ def test_the_page_is_static_and_fetches_nothing_from_outside(deploy):
     page = httpx.get(f"{url}/", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "http://" not in page.text and "https://" not in page.text  # no CDN, no outside fetch
+    # no other page may frame it (helper-66: clickjacking "generate"); it may reach this origin only
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["x-content-type-options"] == "nosniff"
+    csp = page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp and "default-src 'none'" in csp
 
 
 def test_a_prompt_streams_previews_then_the_image(deploy, browser):
@@ -70,6 +75,8 @@ def test_a_prompt_streams_previews_then_the_image(deploy, browser):
     metadata = browser.find_element(By.ID, "metadata").text
     assert '"signature": "tiny-flux 64x48 steps=16' in metadata
     assert "error" not in (browser.find_element(By.ID, "status").get_attribute("class") or "")
+    # nothing the page did was refused: by its Content-Security-Policy, or a /favicon.ico request
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
 
 
 def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser, tmp_path):
@@ -140,3 +147,13 @@ def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_erro
     WebDriverWait(browser, 120).until(lambda d: "error" in (status(d).get_attribute("class") or ""))
     assert "failed" in status(browser).text, status(browser).text  # the job's error message ("batch ... failed")
     assert not browser.find_elements(By.ID, "final")
+
+    # a running job's latest preview frame (variant=thumbnail) is shown while it runs (helper-66:
+    # the page never asked for it); 100 steps (limits.max_steps) outlast several of the page's 300 ms polls
+    _submit(browser, "video", "64x48", 100)
+    preview = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "video_preview")))
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return arguments[0].naturalWidth", preview) > 0)
+    assert browser.execute_script("return [arguments[0].naturalWidth, arguments[0].naturalHeight]", preview) == [64, 48]
+    WebDriverWait(browser, 300).until(ec.presence_of_element_located((By.ID, "final")))
+    assert status(browser).text == "done"
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "/content" not in e["message"]] == []
