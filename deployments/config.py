@@ -12,14 +12,15 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from parallel.config import ParallelConfig, sharding_problems
+from parallel.config import ParallelConfig, paired_sharding_problem, sharding_problems
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import fields_at
 from pipeline.contract.limits import MAX_GUIDANCE_SCALE, parse_size
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
-from pipeline.tiny.names import EMBEDDED_NAMES
+from pipeline.modes import offload_problems
+from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_NAMES
 
 # Where the embedded tiny-flux adapters live (pipeline.tiny.lora; a path of null names one).
 EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
@@ -130,6 +131,14 @@ class ModelConfig(_Strict):
     @classmethod
     def _loras(cls, v: dict[str, LoraSettings]) -> dict[str, LoraSettings]:
         return check_lora_registry(v)
+
+    def known_dual_mode(self) -> str | None:
+        """How the model runs a second transformer (``pipeline.modes.DualMode``'s values) where the
+        config alone tells: ``dual_transformer``, else an embedded model's own; None for a
+        checkpoint's (read where the replica loads it)."""
+        if self.dual_transformer is not None:
+            return self.dual_transformer
+        return EMBEDDED_DUAL_MODES.get(self.name, "single") if self.path is None else None
 
     def lora_registry(self) -> dict[str, LoraEntry]:
         """Adapter name -> ``LoraEntry`` (paths resolved; what requests are resolved against)."""
@@ -673,13 +682,16 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _weights(self):
-        """Memory options that cannot work together (the model's own facts, e.g. whether it
-        has boundary experts, are checked where the replica starts). Raises ``ValueError``
-        naming the fields."""
-        problems = []
-        if self.model.offload != "none" and self.acceleration.torch_compile:
-            problems.append(f"model.offload={self.model.offload!r} moves weights between steps, which "
-                            "acceleration.torch_compile would have traced as fixed: use one or the other")
+        """Memory options that cannot work together, and with the model where the config tells
+        how it runs two transformers (:meth:`ModelConfig.known_dual_mode`; a checkpoint's is
+        checked where the replica starts: helper-67 found ``idle_expert`` on an embedded model
+        without experts refused only there). Raises ``ValueError`` naming the fields."""
+        dual_mode = self.model.known_dual_mode()
+        problems = offload_problems(self.model.offload, boundary_experts=dual_mode in (None, "boundary"),
+                                    torch_compile=self.acceleration.torch_compile)
+        paired = paired_sharding_problem(shard_weights=self.parallel.shard_weights,
+                                         cfg_degree=self.parallel.cfg_degree, dual_mode=dual_mode)
+        problems += [paired] if paired else []
         problems += [p for p in sharding_problems(shard_weights=self.parallel.shard_weights,
                                                   world_size=self.parallel.world_size,
                                                   torch_compile=self.acceleration.torch_compile,

@@ -76,6 +76,16 @@ class ParallelConfig:
                 for name, count in lengths.items() if n > 1 and count % n]
 
 
+def paired_sharding_problem(*, shard_weights: bool, cfg_degree: int, dual_mode: str) -> str | None:
+    """Why ``parallel.shard_weights`` under CFG parallelism cannot serve a model whose
+    ``dual_mode`` (``pipeline.modes.DualMode``) is ``paired``, else None."""
+    if shard_weights and cfg_degree > 1 and dual_mode == "paired":
+        return ("parallel.shard_weights with parallel.cfg_degree=2 cannot serve paired transformers: the two CFG "
+                "groups run different transformers at once, and every rank must gather the same transformer's "
+                "weights together (drop one of the two)")
+    return None
+
+
 def sharding_problems(*, shard_weights: bool, world_size: int, torch_compile: bool = False, loras: bool = False,
                       offload: str = "none") -> list[str]:
     """Every reason ``parallel.shard_weights`` cannot serve this configuration, each naming

@@ -17,35 +17,12 @@ Both move weights only; the computation is the same, so outputs equal ``none`` e
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
-
-class OffloadMode(str, Enum):
-    """``model.offload`` (see the module docstring)."""
-
-    NONE = "none"
-    IDLE_EXPERT = "idle_expert"
-    GROUP = "group"
+from pipeline.modes import OFFLOAD_MODES, OffloadMode, offload_problems
 
 
-OFFLOAD_MODES = tuple(mode.value for mode in OffloadMode)
 HOST = torch.device("cpu")
-
-
-def offload_problems(mode: str, *, boundary_experts: bool, torch_compile: bool) -> list[str]:
-    """Why ``model.offload=mode`` cannot serve this model (empty: it can), naming the fields."""
-    problems = []
-    if mode not in OFFLOAD_MODES:
-        problems.append(f"model.offload must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
-    elif mode == OffloadMode.IDLE_EXPERT and not boundary_experts:
-        problems.append("model.offload='idle_expert' needs a model with boundary experts (two transformers, one "
-                        "running at a time: Wan 2.2 A14B with model.dual_transformer 'boundary')")
-    if mode != OffloadMode.NONE and torch_compile:
-        problems.append(f"model.offload={mode!r} moves weights between steps, which acceleration.torch_compile "
-                        "would have traced as fixed: use one or the other")
-    return problems
 
 
 class IdleExpertOffload:

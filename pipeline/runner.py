@@ -26,8 +26,8 @@ from pipeline.lora import AdapterLoadError, LoraAdapters
 from pipeline.loop import (BatchSchedule, LoopOutput, conditioning, denoise_batch, initial_latents, plan_batch,
                            steps_per_transformer)
 from pipeline.media import encode_image, encode_mp4
-from pipeline.modes import DualMode, InputMode
-from pipeline.offload import apply_offload, offload_problems
+from pipeline.modes import DualMode, InputMode, offload_problems
+from pipeline.offload import apply_offload
 from pipeline.sampling import SamplingParams
 from pipeline.signature import BatchSignature
 from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, ReplicaState, StateTransitionError,
@@ -35,6 +35,7 @@ from pipeline.state import (Action, ActionKind, CacheKey, CacheTransition, Repli
 from pipeline.tiny.registry import resolve_checkpoint
 from pipeline.wire import (AccelerationReport, Batch, CacheDiTReport, CfgGateReport, LoraReport, ModelFacts,
                            RequestOutput, TransformerCacheReport)
+from parallel.config import paired_sharding_problem
 from parallel.kernels import KERNELS
 
 logger = logging.getLogger("ditserve.runner")
@@ -294,10 +295,9 @@ class BatchRunner:
         ``enable_sequence_parallel``), CFG parallelism across the ``cfg_degree`` groups
         (``parallel.cfg``). Raises ``ValueError`` when the layout cannot serve this model."""
         problems = config.startup_problems(num_heads=self.family.num_attention_heads)
-        if config.shard_weights and config.cfg_degree > 1 and self.family.dual_mode == DualMode.PAIRED:
-            problems.append("parallel.shard_weights with parallel.cfg_degree=2 cannot serve paired transformers: "
-                            "the two CFG groups run different transformers at once, and every rank must gather "
-                            "the same transformer's weights together (drop one of the two)")
+        paired = paired_sharding_problem(shard_weights=config.shard_weights, cfg_degree=config.cfg_degree,
+                                         dual_mode=self.family.dual_mode)
+        problems += [paired] if paired else []
         if problems:
             raise ValueError("; ".join(problems))
         self.check_default_kernel(config.ring_degree)

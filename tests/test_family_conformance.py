@@ -11,6 +11,7 @@ from pipeline.families import REGISTRY, checkpoint_attention_heads, load_family
 from pipeline.families.base import Conditioning, ModelFamily
 from pipeline.loop import denoise_batch, plan_batch
 from pipeline.modes import DualMode, GuidanceMode, InputMode
+from pipeline.tiny.names import EMBEDDED_DUAL_MODES
 from pipeline.tiny.registry import EMBEDDED
 from pipeline.wire import ImageArray
 from tests.helpers import flux_params, video_params
@@ -84,6 +85,8 @@ def test_members_and_shapes_on_a_batch_of_two(family, request):
     assert family.family in REGISTRY and family.pipeline_classes
     assert isinstance(family.dual_mode, DualMode) and isinstance(family.guidance_style, GuidanceMode)
     assert family.guidance_style != GuidanceMode.NONE
+    # what a config is checked against before any replica loads the model (deployments.config)
+    assert family.dual_mode == EMBEDDED_DUAL_MODES.get(request.node.callspec.params["family"], DualMode.SINGLE)
     names = list(family.transformers)
     assert names == (["transformer"] if family.dual_mode == DualMode.SINGLE else ["transformer", "transformer_2"])
     assert all(isinstance(m, torch.nn.Module) for m in family.transformers.values())

@@ -10,7 +10,7 @@ import pytest
 
 from deployments.config import AppConfig
 from pipeline.cache_dit_params import CacheDiTParams
-from pipeline.offload import offload_problems
+from pipeline.modes import offload_problems
 from pipeline.runner import BatchRunner
 from tests.helpers import batch_of
 from tests.helpers import flux_params as params
@@ -27,6 +27,26 @@ def test_offload_is_refused_where_it_cannot_work():
         AppConfig.model_validate({"model": {"offload": "everything"}})
     with pytest.raises(ValueError, match="needs a model with boundary experts"):
         BatchRunner("tiny-flux", offload="idle_expert")
+
+
+@pytest.mark.parametrize(("model", "parallel", "problem"), [
+    ({"name": "tiny-flux", "offload": "idle_expert"}, {}, "needs a model with boundary experts"),
+    ({"name": "tiny-wan", "offload": "idle_expert"}, {}, "needs a model with boundary experts"),
+    ({"name": "tiny-wan-moe", "offload": "idle_expert", "dual_transformer": "paired"}, {},
+     "needs a model with boundary experts"),
+    ({"name": "tiny-wan-paired"}, {"cfg_degree": 2, "shard_weights": True}, "cannot serve paired transformers"),
+    ({"name": "tiny-wan-moe", "dual_transformer": "paired"}, {"cfg_degree": 2, "shard_weights": True},
+     "cannot serve paired transformers"),
+])
+def test_weights_options_the_model_cannot_take_are_refused_by_the_config(model, parallel, problem):
+    """helper-67: these passed ``--check`` and failed only where the replica started (33 s
+    later), though the config tells how an embedded model, or ``model.dual_transformer``, runs
+    its transformers. A checkpoint's own is still read where it loads."""
+    with pytest.raises(ValueError, match=problem):
+        AppConfig.model_validate({"model": model, "parallel": parallel})
+    AppConfig.model_validate({"model": {"name": "tiny-wan-moe", "offload": "idle_expert"}})
+    AppConfig.model_validate({"model": {"name": "tiny-wan-moe"}, "parallel": {"cfg_degree": 2, "shard_weights": True}})
+    AppConfig.model_validate({"model": {"name": "wan", "path": "/checkpoints/wan", "offload": "idle_expert"}})
 
 
 def test_idle_expert_offload_equals_no_offload():

@@ -4,3 +4,6 @@ same names with their builders (``tests/test_configs.py`` checks the two agree).
 
 EMBEDDED_NAMES = ("tiny-flux", "tiny-flux-random", "tiny-wan", "tiny-wan-moe", "tiny-wan-paired", "tiny-wan-i2v",
                   "tiny-flux-kontext", "tiny-flux2", "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")
+# the embedded models with two transformers, by how they run them (pipeline.modes.DualMode; the
+# others have one): what a config may be checked against before any replica loads the model
+EMBEDDED_DUAL_MODES = {"tiny-wan-moe": "boundary", "tiny-wan-paired": "paired"}
