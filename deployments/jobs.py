@@ -21,6 +21,10 @@ from pipeline.errors import DitServeError, InvalidRequestError, NotFoundError
 from pipeline.sampling import SamplingParams
 from pipeline.wire import GenerationMetadata, RequestOutput
 
+# why an id names no job: jobs live in the Router's memory, so its restart forgets them all (helper-67:
+# a CLI following a job read the same words as for one deleted by someone else)
+JOB_GONE = "unknown, deleted, expired after its retention, or forgotten by a restart of the server's Router"
+
 
 @dataclass(eq=False)
 class Job:
@@ -122,8 +126,7 @@ class JobStore:
         """The job. Raises ``NotFoundError`` (404) for an unknown, deleted or evicted id."""
         self.evict()
         if job_id not in self._jobs:
-            raise NotFoundError(f"no video job {shown(job_id)} (unknown, deleted, or expired after its retention)",
-                                param="video_id", code="video_not_found")
+            raise NotFoundError(f"no video job {shown(job_id)} ({JOB_GONE})", param="video_id", code="video_not_found")
         return self._jobs[job_id]
 
     def all(self, order: ListOrder = ListOrder.DESC) -> list[Job]:
@@ -199,7 +202,7 @@ class VideoJobs:
             ids = [job.params.request_id for job in jobs]
             if after not in ids:
                 raise InvalidRequestError(f"after must be the id of a video job kept (a page's last_id); no job "
-                                          f"{shown(after)} (unknown, deleted, or expired after its retention): list "
+                                          f"{shown(after)} ({JOB_GONE}): list "
                                           "again without after", param="after", code="invalid_value")
             start = ids.index(after) + 1
         page = [job.view() for job in jobs[start:start + limit]]

@@ -240,6 +240,11 @@ def test_job_store_forgets_a_key_with_its_job():
     second.finish(JobStatus.COMPLETED)
     store.add(params(4), None)  # evicts the oldest finished (max_finished 1), and its key
     assert store.keyed(("caller:a", "g")) is None
+    # an unknown id names every reason, a Router's restart among them (helper-67: a CLI following a
+    # job the Router forgot read "deleted")
+    with pytest.raises(NotFoundError, match=r"no video job 'video_2' \(unknown, deleted, expired after its "
+                                            r"retention, or forgotten by a restart of the server's Router\)"):
+        store.get("video_2")
 
 
 def test_deleted_keys_are_refused_for_ttl_s_beyond_max_finished():
