@@ -1501,7 +1501,7 @@ def _cmd_video(ns) -> int:
         if not bars:  # drawn with its first label (created empty, its first frame had none)
             bars.append(tqdm(total=100, file=sys.stderr, dynamic_ncols=True, desc=str(job.status),
                              bar_format="{desc:>11}: {percentage:3.0f}%|{bar}| {elapsed}"))
-        bars[0].set_description_str(str(job.status))
+        bars[0].set_description_str(str(job.status), refresh=False)  # drawn with its progress: no "completed: 99%"
         bars[0].update(max(0, int(job.progress or 0) - bars[0].n))
 
     def run() -> dict:
