@@ -150,7 +150,11 @@ class StateAffinityReplicaChooser(FIFOMixin, RequestRouter):
         return replica.replica_id.unique_id in self._excluded or bool((replica.routing_stats or {}).get("broken"))
 
     def replica_stats(self) -> dict[str, dict]:
-        return {r.replica_id.unique_id: {"state": self.last_signature_of(r), **(r.routing_stats or {})}
+        """Per replica id: its ``state`` (last signature), ``reported`` (whether its routing stats
+        have come yet: a replica just started has no counters for a moment; helper-67's client
+        hit a KeyError), then those stats."""
+        return {r.replica_id.unique_id: {"state": self.last_signature_of(r), "reported": bool(r.routing_stats),
+                                         **(r.routing_stats or {})}
                 for r in self.curr_replicas.values()}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -248,6 +248,7 @@ def test_accelerations_through_http(client, url):
         time.sleep(0.2)
         replicas = httpx.get(f"{url}/v1/stats").json()["router"]["replicas"]
     assert any(s.get("mounts", 0) >= 1 for s in replicas.values()), replicas
+    assert all(s["reported"] for s in replicas.values() if s.get("mounts"))  # a replica's first report came
 
 
 def test_cli_writes_the_format_of_its_suffix_and_prints_envelope_errors(url, tmp_path, capsys):
