@@ -62,8 +62,8 @@ LIST_QUERY = [
 PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: static HTML + plain JS
 # its inline script and style; images as data: (previews) and blob: (a job's thumbnail), the video as blob:
 PLAYGROUND_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                  "img-src data: blob:; media-src blob:; connect-src 'self' blob:; base-uri 'none'; form-action 'none'; "
-                  "frame-ancestors 'none'")
+                  "img-src data: blob:; media-src blob:; connect-src 'self' blob:; base-uri 'none'; "
+                  "form-action 'none'; frame-ancestors 'none'")
 EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads
 EDIT_FILE_LISTS = ("image",)  # of those, the one that may repeat (image[], or image given twice)
 VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload

@@ -504,8 +504,9 @@ class BatchRunner:
         head = batch.requests[0]
         t0 = time.perf_counter()
         # a NaN decodes to black, +inf to white: such a request is answered as a failure, not with that image
-        non_finite = (out.non_finite or set()) | {i for i, samples in enumerate(out.images)
-                                                  if samples is not None and not all(np.isfinite(v).all() for v in samples)}
+        decoded_non_finite = {i for i, samples in enumerate(out.images)
+                              if samples is not None and not all(np.isfinite(v).all() for v in samples)}
+        non_finite = (out.non_finite or set()) | decoded_non_finite
         images = [None if i in non_finite else samples for i, samples in enumerate(out.images)]
         media = [None if samples is None else
                  [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
