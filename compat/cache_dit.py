@@ -14,6 +14,8 @@ sequence-parallel group instead.
 
 from __future__ import annotations
 
+import functools
+
 from compat import CompatError, Reliance, missing
 
 DISTRIBUTION = "cache-dit"
@@ -54,13 +56,14 @@ def disable_cache(transformer) -> None:
     """``cache_dit.disable_cache(transformer)``, also where the forward cache-dit saved when it
     mounted is a ``functools.partial``: diffusers' hook registry makes a module's ``forward``
     one (group offloading's hooks on a Wan transformer), and cache-dit 1.5 restores the saved
-    forward with ``__get__``, which a partial lacks (``AttributeError``; helper-67: every
+    forward with ``__get__``, which a partial lacks before Python 3.13 and binds as a method
+    from 3.14 (``AttributeError``; helper-67: every
     unmount and remount failed its batch). Such a forward is put back as it was, an instance
     attribute, before cache-dit releases the rest."""
     import cache_dit
 
     original = getattr(transformer, "_original_forward", None)
-    if original is not None and not hasattr(original, "__get__"):
+    if isinstance(original, functools.partial):  # not by a missing __get__: Python 3.13 gave partial one
         transformer.forward = original
         del transformer._original_forward
     cache_dit.disable_cache(transformer)

@@ -569,26 +569,35 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 class CrossSiteGuard:
-    """ASGI middleware: a browser's request from another site that would change state (every
-    method but ``GET``, ``HEAD`` and ``OPTIONS``) is refused 403 in the envelope (code
-    ``cross_site_request``). A page on any site could otherwise make its visitors' browsers
-    post edits and video jobs to a server without keys (helper-66): a multipart form is a CORS
-    "simple" request, sent without asking the server first. Browsers say where a request
-    comes from: ``Sec-Fetch-Site`` (``cross-site`` and ``same-site`` are refused; ``same-origin``
-    and ``none``, typed by the user, pass), else ``Origin`` (refused when ``null`` or when its
-    host differs from ``X-Forwarded-Host`` or ``Host``). Clients that are not browsers (the
-    OpenAI SDK, curl, handle calls) send neither and pass; so does the playground page's own
-    fetch (same origin). Fetch Metadata: https://www.w3.org/TR/fetch-metadata/."""
+    """ASGI middleware: on a server without API keys, a browser's request from another site that
+    would change state (every method but ``GET``, ``HEAD`` and ``OPTIONS``) is refused 403 in
+    the envelope (code ``cross_site_request``). A page on any site could otherwise make its
+    visitors' browsers post edits and video jobs there (helper-66): a multipart form is a CORS
+    "simple" request, sent without asking the server first. With keys, nothing is needed: a
+    browser never adds ``Authorization: Bearer`` by itself, and a page cannot add it across
+    sites without a CORS preflight, which ditserve does not answer.
+
+    Browsers say where a request comes from: ``Sec-Fetch-Site`` (``cross-site`` and
+    ``same-site`` are refused; ``same-origin`` and ``none``, typed by the user, pass), sent to
+    HTTPS and loopback servers; else ``Origin``, refused when ``null`` or when its host matches
+    none of ``Host``, ``X-Forwarded-Host`` and ``Forwarded: host=`` (a trailing dot and the
+    scheme's default port ignored; one of them without a port matches any port: nginx's
+    ``$host``). Clients that are not browsers (the OpenAI SDK, curl, handle calls) send
+    neither and pass; so does the playground page's own fetch. Not covered: DNS rebinding, whose
+    page is same-origin in the browser's eyes (a server without keys should listen on a trusted
+    network). Fetch Metadata: https://www.w3.org/TR/fetch-metadata/."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS and self.cross_site(scope):
+        state = scope.get("app") and scope["app"].state
+        if (scope["type"] == "http" and scope.get("method") not in SAFE_METHODS
+                and not getattr(state, "api_keys", ()) and self.cross_site(scope)):
             response = error_response(PermissionDeniedError(
                 "cross-site request refused: a browser sent it from a page of another site (Sec-Fetch-Site or "
-                "Origin); call the API from this server's own page, or from a client that is not a browser",
-                param=None, code="cross_site_request"))
+                "Origin); call the API from this server's own page, or from a client that is not a browser (behind "
+                "a proxy that rewrites Host, have it send X-Forwarded-Host)", param=None, code="cross_site_request"))
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -605,10 +614,26 @@ class CrossSiteGuard:
         origin = headers.get(b"origin")
         if origin is None:
             return False
-        if origin.lower() == "null":  # a sandboxed frame's, or a file's page
+        try:  # "null" (a sandboxed frame's page, or a file's) has no host, and matches none
+            parts = urlsplit(origin.lower())
+            origin_host, origin_port = (parts.hostname or "").rstrip("."), parts.port or _DEFAULT_PORTS.get(parts.scheme)
+        except ValueError:  # a port that is not a number
             return True
-        own = headers.get(b"x-forwarded-host", "").split(",")[0].strip() or headers.get(b"host", "")
-        return urlsplit(origin).netloc.lower() != own.lower()
+        forwarded = re.search(r'(?:^|[;,\s])host="?([^";,\s]+)', headers.get(b"forwarded", ""), re.IGNORECASE)
+        candidates = [headers.get(b"host", ""), headers.get(b"x-forwarded-host", "").split(",")[0].strip(),
+                      forwarded.group(1) if forwarded else ""]
+        for candidate in filter(None, candidates):
+            try:
+                own = urlsplit(f"//{candidate.lower()}")
+                host, port = (own.hostname or "").rstrip("."), own.port
+            except ValueError:
+                continue
+            if host and host == origin_host and port in (None, origin_port):
+                return False
+        return True
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255

@@ -486,6 +486,14 @@ def test_the_routers_calls_are_not_access_logged_and_its_app_logging_config_stay
     ({"origin": "null"}, True),  # a sandboxed frame's or a file's page
     ({"origin": "https://ditserve.example.com", "x-forwarded-host": "ditserve.example.com"}, False),  # behind a proxy
     ({"origin": "https://evil.example", "x-forwarded-host": "ditserve.example.com"}, True),
+    # helper-68: behind a plain-HTTP proxy (no Sec-Fetch-Site) the page's own requests were refused
+    ({"origin": "http://ditserve.lan:8080", "x-forwarded-host": "ditserve.lan"}, False),  # nginx's $host: no port
+    ({"origin": "http://ditserve.lan", "forwarded": 'for=10.0.0.1;host="ditserve.lan";proto=http'}, False),
+    ({"origin": "http://evil.example", "forwarded": "host=ditserve.lan"}, True),
+    ({"origin": "http://127.0.0.1.:8000"}, False),  # a trailing dot
+    ({"origin": "http://127.0.0.1:8001"}, True),  # another port of the host
+    ({"origin": "http://127.0.0.1:abc"}, True),
+    ({"origin": "http://[::1]:8000", "x-forwarded-host": "[::1]:8000"}, False),
 ])
 def test_a_browsers_cross_site_request_is_told_apart(headers, cross_site):
     """helper-66: a page of any site made a visitor's browser post an edit to a server without
@@ -493,3 +501,33 @@ def test_a_browsers_cross_site_request_is_told_apart(headers, cross_site):
     scope = {"type": "http", "method": "POST",
              "headers": [(b"host", b"127.0.0.1:8000"), *((k.encode(), v.encode()) for k, v in headers.items())]}
     assert CrossSiteGuard.cross_site(scope) is cross_site
+
+
+def test_the_cross_site_guard_stands_aside_where_keys_are_required():
+    """With API keys a cross-site page cannot send the key (no browser adds a Bearer header by
+    itself, and adding one needs a CORS preflight): the guard only refused proxied same-origin
+    calls there (helper-68)."""
+    import asyncio
+
+    from starlette.applications import Starlette
+
+    app = Starlette()
+    answered: list[int] = []
+
+    async def inner(scope, receive, send):
+        answered.append(200)
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answered.append(message["status"])
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    guard = CrossSiteGuard(inner)
+    scope = {"type": "http", "method": "POST", "path": "/v1/videos", "app": app,
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"origin", b"http://evil.example")]}
+    asyncio.run(guard(scope, receive, send))
+    app.state.api_keys = (b"sk-" + b"a" * 40,)
+    asyncio.run(guard(scope, receive, send))
+    assert answered == [403, 200]

@@ -407,10 +407,15 @@ def test_an_adapter_without_the_transformer_prefix_is_refused_saying_so(tmp_path
 
     state = load_file(f"{MAGENTA}/pytorch_lora_weights.safetensors")
     save_file({k.removeprefix("transformer."): v for k, v in state.items()}, str(tmp_path / "bare.safetensors"))
-    with pytest.raises(ValueError, match=r"model.loras.bare: cannot read .*do not start with 'transformer.' "
-                                         r"\('norm_out.*save_lora_weights") as refused:
+    with pytest.raises(ValueError, match=r"model.loras.bare: cannot read .*its keys do not start with "
+                                         r"'transformer.' \('norm_out.*save_lora_weights") as refused:
         runner.lora.check("bare", str(tmp_path / "bare.safetensors"))
     assert "has weights for" not in str(refused.value)
+    save_file({**state, "proj_out.lora_A.weight": state["transformer.proj_out.lora_A.weight"].clone()},
+              str(tmp_path / "mixed.safetensors"))  # one stray key among prefixed ones (helper-68: "none of them")
+    with pytest.raises(ValueError, match=rf"1 of its {len(state) + 1} keys do not start with 'transformer.' "
+                                         r"\('proj_out.lora_A.weight'\)"):
+        runner.lora.check("mixed", str(tmp_path / "mixed.safetensors"))
     save_file({k.replace("transformer.", "text_encoder.", 1): v for k, v in state.items()},
               str(tmp_path / "text.safetensors"))
     with pytest.raises(ValueError, match="has weights for text_encoder; only transformer adapters are served"):

@@ -150,6 +150,7 @@ def test_a_video_job_shows_its_progress_then_the_video_and_a_failed_job_its_erro
 
     # a running job's latest preview frame (variant=thumbnail) is shown while it runs (helper-66:
     # the page never asked for it); 100 steps (limits.max_steps) outlast several of the page's 300 ms polls
+    browser.get_log("browser")  # read (and so cleared): the entries of earlier tests' deliberate errors
     _submit(browser, "video", "64x48", 100)
     preview = WebDriverWait(browser, 120).until(ec.presence_of_element_located((By.ID, "video_preview")))
     WebDriverWait(browser, 30).until(lambda d: d.execute_script("return arguments[0].naturalWidth", preview) > 0)
