@@ -616,7 +616,8 @@ class CrossSiteGuard:
             return False
         try:  # "null" (a sandboxed frame's page, or a file's) has no host, and matches none
             parts = urlsplit(origin.lower())
-            origin_host, origin_port = (parts.hostname or "").rstrip("."), parts.port or _DEFAULT_PORTS.get(parts.scheme)
+            origin_host = (parts.hostname or "").rstrip(".")
+            origin_port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
         except ValueError:  # a port that is not a number
             return True
         forwarded = re.search(r'(?:^|[;,\s])host="?([^";,\s]+)', headers.get(b"forwarded", ""), re.IGNORECASE)

@@ -87,7 +87,8 @@ def lora_file(pipe, path: str) -> tuple[dict[str, torch.Tensor], dict | None, di
         raise ValueError(f"has weights for {', '.join(components)}; only transformer adapters are served")
     if other:  # diffusers' own load_lora_weights skips such keys with a warning
         bare = [k for k in state_dict if not k.startswith("transformer.")]
-        which = "its keys do not" if len(bare) == len(state_dict) else f"{len(bare)} of its {len(state_dict)} keys do not"
+        which = ("its keys do not" if len(bare) == len(state_dict)
+                 else f"{len(bare)} of its {len(state_dict)} keys do not")
         raise ValueError(f"{which} start with 'transformer.' ({bare[0]!r}), so diffusers would not load them; save "
                          "it with the pipeline's save_lora_weights(dir, transformer_lora_layers=...), which adds the "
                          "prefix")
