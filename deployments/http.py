@@ -30,8 +30,8 @@ from deployments.proxy import BODY_SCOPE_KEY, admission_header
 from pipeline.contract.base import MAX_ERRORS_LISTED
 from pipeline.contract.text import shown
 from pipeline.errors import (AuthenticationError, DitServeError, InternalError, InvalidRequestError,
-                             PermissionDeniedError,
-                             PayloadTooLargeError, ServiceUnavailableError, UnsupportedMediaTypeError)
+                             PayloadTooLargeError, PermissionDeniedError, ServiceUnavailableError,
+                             UnsupportedMediaTypeError)
 
 JSON_TYPE = "application/json"
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")

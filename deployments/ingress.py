@@ -100,7 +100,7 @@ def sse(events) -> StreamingResponse:
 
 api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
-api.add_middleware(CrossSiteGuard)  # before the key check: a cross-site form needs no key to be refused
+api.add_middleware(CrossSiteGuard)  # only where no keys are configured (see the class)
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
 

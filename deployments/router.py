@@ -182,8 +182,7 @@ class Router:
                                            "left: a stopped batch's steps, a dropped request's steps x n",
                                            tag_keys=("scope",))
         try:  # the watch from the start: the queue-depth gauge was not exported until a first request (helper-67)
-            self._watch = asyncio.get_running_loop().create_task(self._expire_callers(),
-                                                                 context=contextvars.Context())
+            self._start_watch()
         except RuntimeError:  # no loop here (Serve builds replicas in its loop): the first call starts it
             pass
 
@@ -319,17 +318,20 @@ class Router:
         naming one are refused at admission and ``/v1/models`` does not list it."""
         return adapters_refused_everywhere(self._replica.app_name, self._replica.deployment_name)
 
-    def _start_loops(self) -> None:
-        """Start the scheduler and the lease / status watch, once each (the watch from the
-        start where a loop runs there; the scheduler on the first call that needs it). Raises
+    def _start_watch(self) -> None:
+        """Start the lease / status watch (:meth:`_expire_callers`), once. Raises
         ``RuntimeError`` outside an event loop."""
-        loop = asyncio.get_running_loop()
-        # A fresh context: the tasks outlive the request that happens to start them, and Serve
-        # cancels the calls a request made (the batches!) when that request is cancelled.
         if self._watch is None:
-            self._watch = loop.create_task(self._expire_callers(), context=contextvars.Context())
+            # A fresh context: the tasks outlive the request that happens to start them, and Serve
+            # cancels the calls a request made (the batches!) when that request is cancelled.
+            self._watch = asyncio.get_running_loop().create_task(self._expire_callers(), context=contextvars.Context())
+
+    def _start_loops(self) -> None:
+        """Start the scheduler (on the first call that needs it) and the watch, once each (the
+        watch from the start where a loop runs there)."""
+        self._start_watch()
         if self._scheduler is None:
-            self._scheduler = loop.create_task(self._schedule(), context=contextvars.Context())
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule(), context=contextvars.Context())
 
     def _refuse_if_unservable(self, request_id: str | None) -> None:
         """Raise (and count) the 503 of a request that comes while the app is being deleted or
