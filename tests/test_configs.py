@@ -198,9 +198,11 @@ def test_router_knobs_only_the_start_reads_are_refused_live():
     for value in (True, "true", 1, "yes"):  # read as pydantic reads them (helper-65: "true" passed)
         with pytest.raises(ValueError, match="affinity: args.batching.affinity is false"):
             batching_update(off, {"affinity": value})
-    assert batching_update(args, {"routing_stats_period_s": str(args["routing_stats_period_s"])})  # the same value
+    same = batching_update(args, {"routing_stats_period_s": str(args["routing_stats_period_s"])})  # the same value
+    assert same.model_dump() == args
     # what the start set, given again, and affinity turned off live, apply
-    assert batching_update(args, {"routing_stats_period_s": args["routing_stats_period_s"], "affinity": False})
+    turned_off = batching_update(args, {"routing_stats_period_s": args["routing_stats_period_s"], "affinity": False})
+    assert turned_off.model_dump() == {**args, "affinity": False}
     assert batching_update(off, {"affinity": False}).affinity is False
 
 

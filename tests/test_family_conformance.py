@@ -177,6 +177,7 @@ def test_denoiser_ranks_load_no_encoders_and_decode_slices_the_same(family, requ
         load_family(family.family, path, torch_dtype=torch.float32, device="cpu", components="text")
 
     sliced = load_family(family.family, path, torch_dtype=torch.float32, device="cpu", vae_slicing=True)
+    assert sliced.pipe.vae.use_slicing and not family.pipe.vae.use_slicing  # else the comparison below is vacuous
     p = _params(family, "", 1)
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     latents, _ = family.prepare_latents(generators, [1, 1], p, **_inputs(family, p))

@@ -19,6 +19,8 @@ CASES = 150
 def test_generated_requests_never_break_the_server(deploy, args, route, form):
     url = deploy(args)
     result = fuzz_route(url, route, CASES, form=form, seed=1, uploads=route.endswith("/edits"))
-    assert not result["failures"], (result["failures"], result["examples"])
+    # answers slower than bench/fuzz.py's SLOW_S are the bench's goal, not asserted here (no wall-clock asserts)
+    broken = {kind: count for kind, count in result["failures"].items() if kind != "slow"}
+    assert not broken, (result["failures"], result["examples"])
     assert sum(result["statuses"].values()) == CASES
     assert result["statuses"].get(400, 0) > 0 and result["statuses"].get(200, 0) > 0  # both kinds were reached

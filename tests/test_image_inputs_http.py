@@ -4,7 +4,6 @@ OpenAI's envelope before queueing (real Ray Serve, real HTTP)."""
 
 from __future__ import annotations
 
-import base64
 import io
 import random
 import time
@@ -239,5 +238,5 @@ def test_image_to_video_through_the_sdk(deploy):
     r = httpx.post(f"{url}/v1/videos", data={"prompt": "x"},
                    files={"input_reference": ("a.png", b"GIF89a...", "image/gif")}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
-    thumbnail = base64.b64encode(client.videos.download_content(job.id, variant="thumbnail").read())
-    assert thumbnail
+    thumbnail = Image.open(io.BytesIO(client.videos.download_content(job.id, variant="thumbnail").read()))
+    assert (thumbnail.format, thumbnail.size) == ("WEBP", (64, 48))

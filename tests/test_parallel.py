@@ -148,10 +148,9 @@ def test_rendezvous_waits_only_as_configured_after_loading(ray_cluster):
     worker = RankWorker.options(num_cpus=0).remote(1, {"name": "tiny-flux"}, {}, {"ulysses_degree": 2}, 1)
     try:
         assert ray.get(worker.ready.remote(), timeout=120) > 0
-        started = time.monotonic()
+        # given up after its 3 s: with the 600 s default, ray.get would raise GetTimeoutError instead
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(worker.join.remote("127.0.0.1", free_port(), 3.0), timeout=120)
-        assert time.monotonic() - started < 60  # 3 s, not the 600 s default
         assert "timeout" in str(info.value).lower() or "timed out" in str(info.value).lower()
     finally:
         ray.kill(worker)

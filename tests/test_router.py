@@ -160,7 +160,7 @@ def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_c
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 
 
-def test_starved_queue_is_served_within_its_bound(deploy):
+def test_a_starved_queue_waits_out_its_bound_then_goes_to_the_free_replica(deploy):
     """A switch priced above the starvation bound (affinity_switch_cost_ms 1000 > 400): a queue
     whose state the busy replica holds waits for it until the bound, then the free one takes it."""
     url = deploy({**TWO_REPLICAS, "batching": {**TWO_REPLICAS["batching"], "affinity_switch_cost_ms": 1000}},

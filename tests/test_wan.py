@@ -224,7 +224,8 @@ def test_a_boundary_that_leaves_the_primary_no_step_reports_it_computing_none(mo
     assert moe_runner.run_steps == {"transformer_2": list(range(8))}
     assert (report.computed_steps, report.cached_steps) == (0, 0)  # the primary's: it ran no step
     second = report.transformers["transformer_2"]
-    assert second.steps == 8 and second.transition == "mount" and second.cached_steps >= 0
+    assert (second.steps, second.transition) == (8, "mount")
+    assert second.cached_steps == 6  # each step past max_warmup_steps 2: the threshold 0.5 is far above the diffs
     assert report.transformers["transformer"].steps == 0 and not report.transformers["transformer"].active
 
 
