@@ -16,7 +16,7 @@ from parallel.config import ParallelConfig, paired_sharding_problem, sharding_pr
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import fields_at
-from pipeline.contract.limits import MAX_GUIDANCE_SCALE, parse_size
+from pipeline.contract.limits import ENCODER_MAX_SIDE, MAX_GUIDANCE_SCALE, parse_size
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
 from pipeline.modes import offload_problems
@@ -222,7 +222,10 @@ class LimitsConfig(_Strict):
         problems = [f"default_steps {self.default_steps} > max_steps {self.max_steps}"
                     if self.default_steps > self.max_steps else None,
                     f"default_size {self.default_size} is {width * height} pixels > max_pixels {self.max_pixels}"
-                    if width * height > self.max_pixels else None]
+                    if width * height > self.max_pixels else None,
+                    f"default_size {self.default_size} has a side past {ENCODER_MAX_SIDE['webp']} pixels, which "
+                    "output_format webp and a video's thumbnail cannot take"
+                    if max(width, height) > ENCODER_MAX_SIDE["webp"] else None]
         problems = [p for p in problems if p]
         if problems:
             raise ValueError(f"{'; '.join(problems)}: a default must be a value a request may give")

@@ -124,6 +124,13 @@ class InternalError(DitServeError):
     error_type = "server_error"
 
 
+class OutputEncodingError(InternalError):
+    """500 ``encoding_failed``: one request's media could not be encoded (its batch-mates' were).
+    A retry would meet it again: HTTP answers say so (``x-should-retry: false``)."""
+
+    retryable = False
+
+
 class LoraLoadError(InternalError):
     """500 ``lora_load_failed``: a LoRA adapter a batch names could not be loaded or activated
     (its file went missing or is corrupt). Raised before the denoising loop on every rank alike,

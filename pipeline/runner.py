@@ -18,8 +18,9 @@ import torch
 from compat import torch as torch_compat
 from pipeline.attention import AttentionSwitch, default_kernel_problems, replica_kernel_rejections
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
-from pipeline.errors import (BatchCancelled, InternalError, InvalidRequestError, LoraLoadError, SharedFailure,
-                             record_dropped_rows)
+from pipeline.contract.limits import VIDEO_IMAGE_FORMAT
+from pipeline.errors import (BatchCancelled, InternalError, InvalidRequestError, LoraLoadError, OutputEncodingError,
+                             SharedFailure, record_dropped_rows)
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
@@ -52,7 +53,6 @@ def configure_compile(device: torch.device) -> None:
     cache_dit.set_compile_configs(descent_tuning=device.type == "cuda")
 
 
-THUMBNAIL_FORMAT = "webp"  # a video's first frame (OpenAI's content variant "thumbnail")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVENTS_KEPT = 256  # state actions remembered for audits (the newest)
 
@@ -485,8 +485,12 @@ class BatchRunner:
 
         def preview(index: int, partial: int, images) -> None:
             p = batch.requests[index]
-            encoded = [encode_image(v, THUMBNAIL_FORMAT, 90) if video else
-                       encode_image(v, p.output_format, p.output_compression) for v in images]
+            try:
+                encoded = [encode_image(v, VIDEO_IMAGE_FORMAT, 90) if video else
+                           encode_image(v, p.output_format, p.output_compression) for v in images]
+            except Exception:  # its final image meets the same failure, alone (_outputs): the batch goes on
+                logger.exception("request %s: preview %d could not be encoded", p.request_id, partial)
+                return
             on_preview({"request_id": p.request_id, "partial_image_index": partial, "images": encoded})
 
         wanted = on_preview is not None and any(p.partial_images for p in batch.requests)
@@ -508,13 +512,19 @@ class BatchRunner:
                               if samples is not None and not all(np.isfinite(v).all() for v in samples)}
         non_finite = (out.non_finite or set()) | decoded_non_finite
         images = [None if i in non_finite else samples for i, samples in enumerate(out.images)]
-        media = [None if samples is None else
-                 [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
-                  for v in samples]
-                 for p, samples in zip(batch.requests, images, strict=True)]
-        thumbnails = [None if samples is None or not video else [encode_image(v[0], THUMBNAIL_FORMAT, 90)
-                                                                 for v in samples]
-                      for samples in images]
+        media, thumbnails, unencoded = [], [], {}
+        for i, (p, samples) in enumerate(zip(batch.requests, images, strict=True)):
+            try:
+                media.append(None if samples is None else
+                             [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
+                              for v in samples])
+                thumbnails.append(None if samples is None or not video else
+                                  [encode_image(v[0], VIDEO_IMAGE_FORMAT, 90) for v in samples])
+            except Exception as exc:  # its own size or format: its batch-mates keep their media
+                logger.exception("request %s: its output could not be encoded", p.request_id)
+                unencoded[i] = exc
+                media.append(None)
+                thumbnails.append(None)
         encode_ms = (time.perf_counter() - t0) * 1e3
         report = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
@@ -533,6 +543,13 @@ class BatchRunner:
                     f"{field} of request {p.request_id} could not be encoded by the model's tokenizer "
                     f"({type(exc).__name__}); the other requests of its batch ran", param=field,
                     code="unprocessable_text", request_id=p.request_id)
+                outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
+            elif i in unencoded:
+                what = "a video" if video else f"{p.output_format} ({p.width}x{p.height})"
+                error = OutputEncodingError(
+                    f"the output of request {p.request_id} could not be encoded as {what}: "
+                    f"{type(unencoded[i]).__name__}: {str(unencoded[i])[:200]}; the other requests of its batch ran",
+                    code="encoding_failed", request_id=p.request_id)
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             elif i in non_finite:
                 error = InternalError(

@@ -13,7 +13,7 @@ from pipeline.contract.base import cache_dit_problems, nothing_cached_problems, 
 from pipeline.contract.edits import ImageEditRequest, decode_edit_inputs, decode_reference, default_strength, \
     edit_mode, effective_steps, strength_runs
 from pipeline.contract.images import ImageGenerationRequest
-from pipeline.contract.limits import ServingLimits, parse_size, size_problem, split_problem
+from pipeline.contract.limits import ServingLimits, encoding_problem, parse_size, size_problem, split_problem
 from pipeline.contract.lora import LoraSpec, resolve_loras, split_model
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import InvalidRequestError
@@ -265,12 +265,14 @@ def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defau
     )
 
 
-def check_edit_size(width: int, height: int, limits: ServingLimits, field: str) -> None:
+def check_edit_size(width: int, height: int, limits: ServingLimits, field: str, output_format: str = "png") -> None:
     """An edit's output size (its ``size``, or the image's own scaled down): raises
     ``InvalidRequestError`` naming ``field`` for one the model cannot take (:func:`size_problem`:
-    a side past its position table, too elongated) or sequence parallelism cannot split
-    evenly across the ranks (:func:`split_problem`)."""
-    problem = size_problem(width, height, limits) or split_problem(width, height, limits)
+    a side past its position table, too elongated), sequence parallelism cannot split evenly
+    across the ranks (:func:`split_problem`) or ``output_format``'s encoder cannot write
+    (:func:`encoding_problem`)."""
+    problem = (size_problem(width, height, limits) or split_problem(width, height, limits)
+               or encoding_problem(width, height, output_format))
     if problem:
         raise InvalidRequestError(f"{field}: the output {problem}", param=field, code="invalid_value")
 
@@ -283,7 +285,7 @@ def resolve_edit(request: ImageEditRequest, limits: ServingLimits,
     ``cache_dit_params`` (:func:`check_cache_dit`, for the steps ``strength`` runs)."""
     mode = edit_mode(request, limits)
     width, height, images, mask = decode_edit_inputs(request, limits)
-    check_edit_size(width, height, limits, "size" if request.size else "image")
+    check_edit_size(width, height, limits, "size" if request.size else "image", request.output_format)
     base = _resolve_image(request.model_copy(update={"size": f"{width}x{height}"}), limits, defaults, request_id)
     strength = request.strength if request.strength is not None else default_strength(mode, limits)
     return check_cache_dit(dataclasses.replace(base, input_mode=mode, strength=strength,

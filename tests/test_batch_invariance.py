@@ -174,3 +174,29 @@ def test_an_overflowed_request_streams_no_previews_and_fails_alone(monkeypatch):
     assert previews == [e for e in fine_previews if e["request_id"] != requests[1].request_id]
     for i in (0, 2):
         assert outputs[i].error is None and np.array_equal(pixels(outputs[i].images[0]), pixels(fine[i].images[0]))
+
+
+def test_an_output_its_encoder_cannot_write_fails_its_request_alone():
+    """A WebP side past 16383 pixels failed its whole batch after the denoise: PNG batch-mates
+    and their streamed previews too, and the SDK retried it twice (helper-70). The contract
+    refuses such a size (tests/test_contract.py); an encoding failure past it fails its own
+    request, a 500 ``encoding_failed`` that says not to retry, with no previews."""
+    import io
+
+    from PIL import Image
+
+    from deployments.http import error_response
+    from pipeline.runner import BatchRunner
+    from tests.helpers import batch_of
+
+    runner = BatchRunner("tiny-flux")
+    tall = {"size": (16, 16400), "steps": 2, "partial_images": 1}
+    requests = [params("a red circle", 3, **tall), params("a blue square", 4, output_format="webp", **tall)]
+    previews: list[dict] = []
+    outputs = runner.run(batch_of(*requests), on_preview=previews.append)
+    assert outputs[0].error is None and Image.open(io.BytesIO(outputs[0].images[0])).size == (16, 16400)
+    error = outputs[1].error
+    assert error is not None and error.code == "encoding_failed" and outputs[1].images == []
+    assert "webp (16x16400)" in error.message and requests[1].request_id in error.message
+    assert error_response(error).headers["x-should-retry"] == "false"
+    assert [e["request_id"] for e in previews] == [requests[0].request_id]

@@ -478,3 +478,43 @@ def test_canonical_cache_dit_params_run_the_same_on_each_transformer():
     assert CacheDiTParams.model_validate(cases[0]).canonical() == CacheDiTParams(Fn_compute_blocks=1)
     assert CacheDiTParams.model_validate(cases[1]).canonical().secondary.Fn_compute_blocks == 8
 
+
+
+def test_a_size_its_output_format_cannot_encode_is_a_400_before_it_runs():
+    """WebP writes at most 16383 pixels a side and JPEG 65500: such a size passed every check,
+    denoised, then failed its batch as its encoder raised (helper-70, on flux-dev-1gpu's limits).
+    Each route refuses it naming ``size`` (an edit's own size: ``image``), and so does a video,
+    whose thumbnail is WebP; PNG takes it. A default past WebP's side is refused in the config."""
+    from pydantic import ValidationError
+
+    from deployments.config import LimitsConfig
+    from pipeline.contract.edits import validate_edit_request
+    from pipeline.contract.limits import encoding_problem
+    from pipeline.modes import InputMode
+    from pipeline.sampling import resolve_edit
+    from tests.test_image_inputs_contract import picture
+
+    tall = dataclasses.replace(LIMITS, max_pixels=2 ** 21)
+    for output_format in ("png", "jpeg"):
+        validate_image_request({"prompt": "a", "size": "16x16384", "output_format": output_format}, tall)
+    with pytest.raises(InvalidRequestError, match=r"^size 16x16384: output_format webp takes at most 16383 pix") as info:
+        validate_image_request({"prompt": "a", "size": "16x16384", "output_format": "webp"}, tall)
+    assert info.value.param == "size" and "output_format png" in info.value.message
+    validate_image_request({"prompt": "a", "size": "16x16376", "output_format": "webp"}, tall)
+    assert "takes at most 65500 pixels" in encoding_problem(16, 65504, "jpeg")
+    assert encoding_problem(16, 65504, "png") is None
+
+    editing = dataclasses.replace(tall, input_modes=(InputMode.IMAGE_TO_IMAGE,), max_input_pixels=2 ** 21)
+    image = picture((16400, 16))  # no size: the image's own, 16400x16
+    with pytest.raises(InvalidRequestError, match=r"^image: the output size 16400x16: output_format webp") as info:
+        resolve_edit(validate_edit_request({"prompt": "a", "image": image, "output_format": "webp"}, editing), editing)
+    assert info.value.param == "image"
+    assert resolve_edit(validate_edit_request({"prompt": "a", "image": image}, editing), editing).width == 16400
+
+    wan = ServingLimits("tiny-wan", 16, 64, 48, 4, 5.0, temporal_factor=4, default_num_frames=5, max_frames=9,
+                        guidance_embeds=False, max_pixels=2 ** 21)
+    with pytest.raises(InvalidRequestError, match=r"^size 16x16384: a video's thumbnail and previews are webp") as info:
+        validate_video_request({"prompt": "a", "size": "16x16384"}, wan)
+    assert info.value.param == "size"
+    with pytest.raises(ValidationError, match="default_size 16x16384 has a side past 16383 pixels"):
+        LimitsConfig(default_size="16x16384", max_pixels=2 ** 21)

@@ -131,6 +131,27 @@ def size_problem(width: int, height: int, limits: ServingLimits) -> str | None:
     return None
 
 
+# The longest side, in pixels, each lossy image encoder writes: libjpeg's JPEG_MAX_DIMENSION and
+# libwebp's WEBP_MAX_DIMENSION. Pillow raises past them, after the whole generation has run.
+# PNG's (2^31 - 1) is past any size a model serves.
+ENCODER_MAX_SIDE = {"jpeg": 65500, "webp": 16383}
+VIDEO_IMAGE_FORMAT = "webp"  # a video's thumbnail and previews (OpenAI's content variant "thumbnail")
+
+
+def encoding_problem(width: int, height: int, output_format: str | None) -> str | None:
+    """Why an image of ``width`` × ``height`` pixels cannot be written as ``output_format``
+    (``png``, ``jpeg``, ``webp``; None: a video, whose thumbnail and previews are
+    ``VIDEO_IMAGE_FORMAT``); None when it can. Each side at most ``ENCODER_MAX_SIDE``."""
+    limit = ENCODER_MAX_SIDE.get(output_format or VIDEO_IMAGE_FORMAT)
+    if not limit or max(width, height) <= limit:
+        return None
+    if output_format is None:
+        return (f"size {width}x{height}: a video's thumbnail and previews are {VIDEO_IMAGE_FORMAT}, which takes at "
+                f"most {limit} pixels a side")
+    return (f"size {width}x{height}: output_format {output_format} takes at most {limit} pixels a side (its "
+            "encoder's limit); ask a smaller size or output_format png")
+
+
 def split_problem(width: int, height: int, limits: ServingLimits, latent_frames: int = 1,
                   frames_field: str | None = None) -> str | None:
     """Why a sample of ``width`` × ``height`` pixels (and ``latent_frames`` latent frames, a
