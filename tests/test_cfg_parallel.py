@@ -244,7 +244,9 @@ def test_sharded_weights_equal_unsharded_with_half_the_bytes_per_rank(flux_singl
         key = CacheDiTParams(Fn_compute_blocks=1, max_warmup_steps=2, residual_diff_threshold=0.5)
         cached = batch_of(dataclasses.replace(params("a red circle", 3, **{**GUIDED, "steps": 6}),
                                               enable_cache_dit=True, cache_dit_params=key))
-        assert np.isfinite(_run(workers, cached)[0].images[0]).all()
+        alone = flux_single.denoise(cached)
+        assert flux_single.cache["transformer"].cached_steps() > 0  # else equal images would show nothing of it
+        _close(alone, _run(workers, cached)[0])  # helper-71: it checked only that the images were finite
         whole = sum(t.numel() * t.element_size() for t in flux_single.family.transformer.parameters())
         held = ray.get(workers[1].ready.remote())  # rank 1 loads the transformer alone
         assert held < 0.6 * whole
