@@ -55,7 +55,8 @@ def reasons(body: dict) -> InvalidRequestError:
     # OpenAI's own fields no ditserve model takes: said so (helper-63: "unknown field 'quality'")
     ({"prompt": "a", "quality": "high"}, "quality", "quality: a field of OpenAI's gpt-image and DALL-E models, which "
                                                     "ditserve's models do not take; send the request without it"),
-    ({"prompt": "a", "background": "transparent"}, "background", "OpenAI's gpt-image and DALL-E models"),
+    ({"prompt": "a", "background": "transparent"}, "background", "opaque images only; send auto or opaque"),
+    ({"prompt": "a", "background": "Opaque"}, "background", "auto, opaque"),
     ({"prompt": "a", "cfg_gate_step": 0}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "cfg_gate_step": 1.5}, "cfg_gate_step", "(0, 1]"),
     ({"prompt": "a", "attention_backend_override": "flash"}, "attention_backend_override", "one of"),
@@ -478,6 +479,13 @@ def test_canonical_cache_dit_params_run_the_same_on_each_transformer():
     assert CacheDiTParams.model_validate(cases[0]).canonical() == CacheDiTParams(Fn_compute_blocks=1)
     assert CacheDiTParams.model_validate(cases[1]).canonical().secondary.Fn_compute_blocks == 8
 
+
+
+def test_background_auto_or_opaque_is_what_every_image_is():
+    """``background: "opaque"``, what each answer reports, was a 400 as a field no model takes
+    (helper-70); ``auto`` and ``opaque`` now pass, ``transparent`` is refused saying why."""
+    for background in ("auto", "opaque", None):
+        assert validate_image_request({"prompt": "a", "background": background}, LIMITS).background == background
 
 
 def test_a_size_its_output_format_cannot_encode_is_a_400_before_it_runs():

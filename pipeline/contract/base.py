@@ -441,7 +441,7 @@ def fields_at(model: type[BaseModel], path: tuple, validated_as: dict | None = N
 OWN_ERRORS = frozenset({"value_error", "assertion_error", "extra_forbidden"})
 # Fields of OpenAI's images API (create and edit: gpt-image and DALL-E models) that no ditserve
 # model takes; named as such, not as unknown (helper-63: "unknown field 'quality'")
-OPENAI_ONLY_FIELDS = frozenset({"quality", "background", "moderation", "style", "input_fidelity"})
+OPENAI_ONLY_FIELDS = frozenset({"quality", "moderation", "style", "input_fidelity"})
 
 
 def allowed_text(model: type[BaseModel], field: str, limits: ServingLimits) -> str | None:

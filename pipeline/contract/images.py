@@ -42,6 +42,7 @@ class ImageGenerationRequest(GenerationRequest):
         "true_cfg_scale": GenerationRequest.ALLOWED["guidance_scale"],
         "stream": "true or false",
         "partial_images": f"an integer from 0 to {MAX_PARTIAL_IMAGES} (with stream: true)",
+        "background": "auto or opaque",
     }
 
     n: int = 1
@@ -51,6 +52,8 @@ class ImageGenerationRequest(GenerationRequest):
     true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
     stream: bool = False
     partial_images: int | None = None
+    # OpenAI's; every image is opaque, as each answer says (helper-70: "opaque" was refused)
+    background: str | None = None
 
     @field_validator("size", mode="before")
     @classmethod
@@ -82,6 +85,14 @@ class ImageGenerationRequest(GenerationRequest):
         if v < 1 or (top is not None and v > top):
             raise ValueError(f"n must be between 1 and {top}, got {v}")
         return v
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v: str | None) -> str | None:
+        if v == "transparent":
+            raise ValueError("background: ditserve's models make opaque images only; send auto or opaque, or leave "
+                             "it out")
+        return v if v is None else one_of("background", v, ("auto", "opaque"))
 
     @field_validator("response_format")
     @classmethod
