@@ -28,6 +28,7 @@ class Reliance:
     why: str
 
     def present(self) -> bool:
+        """Whether ``module`` imports and has every attribute of ``path``."""
         try:
             obj = importlib.import_module(self.module)
         except ImportError:

@@ -41,7 +41,8 @@ def is_mounted(transformer) -> bool:
 
 
 def contexts(transformer) -> list:
-    """cache-dit's ``CachedContext`` objects of a mounted transformer (empty when unmounted)."""
+    """cache-dit's ``CachedContext`` objects of a mounted transformer (empty when unmounted).
+    Raises :class:`CompatError` when the context manager has no ``_cached_context_manager``."""
     manager = getattr(transformer, "_context_manager", None)
     if manager is None:
         return []
@@ -71,7 +72,8 @@ def disable_cache(transformer) -> None:
 
 def advance_one_call(transformer) -> None:
     """Advance every context of ``transformer`` by one call (``mark_step_begin``): a
-    separate-CFG context tells the conditional and guiding calls apart by parity."""
+    separate-CFG context tells the conditional and guiding calls apart by parity. Raises
+    :class:`CompatError` as :func:`contexts`."""
     for context in contexts(transformer):
         context.mark_step_begin()
 
@@ -103,7 +105,8 @@ def reduce_decisions_over(group, size: int) -> None:
     replica rank's sequence-parallel group, DESIGN "Acceleration state") instead of every rank
     of the process group. Process-wide (one replica rank per process). Under CFG parallelism
     each CFG group then decides for its own branch, as one rank decides each branch
-    (``enable_separate_cfg``); the ranks sharing a sequence still decide together."""
+    (``enable_separate_cfg``); the ranks sharing a sequence still decide together. Raises
+    :class:`CompatError` when cache-dit's ``cache_manager`` module is gone."""
     try:
         from cache_dit.caching.cache_contexts import cache_manager
     except ImportError as exc:

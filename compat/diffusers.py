@@ -72,7 +72,8 @@ def _fail(what: str, exc: Exception) -> CompatError:
 
 # -- context parallelism ---------------------------------------------------------------------
 def cp_plan(transformer) -> dict:
-    """The transformer's ``_cp_plan``: which inputs diffusers' hooks split and which output they gather."""
+    """The transformer's ``_cp_plan``: which inputs diffusers' hooks split and which output they
+    gather. Raises ``ValueError`` when the transformer has none."""
     plan = getattr(transformer, "_cp_plan", None)
     if plan is None:
         raise ValueError(f"{type(transformer).__name__} has no _cp_plan: diffusers cannot split its sequence")
@@ -80,7 +81,8 @@ def cp_plan(transformer) -> dict:
 
 
 def context_parallel_config(ring_degree: int, ulysses_degree: int):
-    """diffusers' ``ContextParallelConfig`` (the layout its split/gather hooks read)."""
+    """diffusers' ``ContextParallelConfig`` (the layout its split/gather hooks read). Raises
+    :class:`CompatError` when diffusers no longer has it."""
     try:
         from diffusers.models._modeling_parallel import ContextParallelConfig
     except ImportError as exc:
@@ -89,7 +91,8 @@ def context_parallel_config(ring_degree: int, ulysses_degree: int):
 
 
 def apply_context_parallel(transformer, config) -> None:
-    """Install the split/gather hooks of ``transformer``'s ``_cp_plan`` for ``config``."""
+    """Install the split/gather hooks of ``transformer``'s ``_cp_plan`` for ``config``. Raises
+    ``ValueError`` when it has no ``_cp_plan`` (:func:`cp_plan`)."""
     from diffusers.hooks.context_parallel import apply_context_parallel as apply
 
     apply(transformer, config, cp_plan(transformer))
@@ -104,7 +107,8 @@ def remove_context_parallel(transformer) -> None:
 
 # -- attention dispatch ------------------------------------------------------------------------
 def attention_backend(value: str):
-    """diffusers' ``AttentionBackendName`` member of ``value`` (``"flash"``, ``"native"``, ...)."""
+    """diffusers' ``AttentionBackendName`` member of ``value`` (``"flash"``, ``"native"``, ...).
+    Raises ``ValueError`` for a value diffusers does not name."""
     from diffusers.models.attention_dispatch import AttentionBackendName
 
     return AttentionBackendName(value)
@@ -112,7 +116,8 @@ def attention_backend(value: str):
 
 def backend_problem(value: str) -> str | None:
     """Why diffusers cannot run backend ``value`` here (its own requirement check and registry:
-    a missing package, a version below diffusers' minimum), or None."""
+    a missing package, a version below diffusers' minimum), or None. Raises ``ValueError`` for
+    a value that is no ``AttentionBackendName`` and :class:`CompatError` when the registry is gone."""
     try:
         from diffusers.models.attention_dispatch import (_AttentionBackendRegistry,
                                                          _check_attention_backend_requirements)
@@ -181,7 +186,8 @@ def qwen_edit_reference_latents(pipe, pixels):
 
 
 def wan_prompt_embeds(pipe, prompts: list[str], max_sequence_length: int, device):
-    """UMT5 states (B, L, text_dim), zeroed past each prompt, as ``WanPipeline`` encodes them."""
+    """UMT5 states (B, ``max_sequence_length``, text_dim) in the text encoder's dtype, zeroed past
+    each prompt, on ``device``, as ``WanPipeline`` encodes them."""
     return pipe._get_t5_prompt_embeds(prompt=prompts, num_videos_per_prompt=1,
                                       max_sequence_length=max_sequence_length, device=device)
 
@@ -210,7 +216,8 @@ def wan_qkv_projections(attn, hidden_states, encoder_hidden_states=None):
 def replace_z_image_unified_sequence(transformer, build) -> None:
     """Make ``transformer`` (a ``ZImageTransformer2DModel``) build its unified image + caption
     sequence with ``build`` (same arguments and returns as its private
-    ``_build_unified_sequence``), for this instance only: where ``parallel.z_image`` splits it."""
+    ``_build_unified_sequence``), for this instance only: where ``parallel.z_image`` splits it.
+    Raises :class:`CompatError` when the class has no ``_build_unified_sequence``."""
     if not callable(getattr(type(transformer), "_build_unified_sequence", None)):
         raise _fail("ZImageTransformer2DModel._build_unified_sequence", AttributeError("missing"))
     transformer._build_unified_sequence = build

@@ -33,7 +33,8 @@ def check() -> list[str]:
 
 
 def deployment_name(router) -> str:
-    """The name of the deployment a ``RequestRouter`` routes to (its private ``_deployment_id``)."""
+    """The name of the deployment a ``RequestRouter`` routes to (its private ``_deployment_id``).
+    Raises :class:`CompatError` when the router has none."""
     try:
         return router._deployment_id.name
     except AttributeError as exc:
@@ -52,7 +53,8 @@ def deploy_config(config, wait_running: bool = True) -> None:
 
 def http_options() -> dict:
     """``{"host", "port"}`` the connected cluster's Serve proxies listen on (``serve.start`` keeps
-    a running Serve's options and only logs a warning when asked for others)."""
+    a running Serve's options and only logs a warning when asked for others). Raises
+    :class:`CompatError` when Serve's client has no ``http_config``."""
     from ray.serve.context import _get_global_client
 
     try:
@@ -73,7 +75,8 @@ def serve_running() -> bool:
 
 def power_of_two_choices_router() -> type:
     """Serve's default request router class (``PowerOfTwoChoicesRequestRouter``, private: the
-    public ``ray.serve.request_router`` exports only its mixins)."""
+    public ``ray.serve.request_router`` exports only its mixins). Raises :class:`CompatError`
+    when Ray no longer has it."""
     try:
         from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
     except ImportError as exc:
@@ -94,7 +97,8 @@ def _deployment_config():
 
 
 def delete_app(name: str, timeout_s: float, poll_s: float = 0.5) -> bool:
-    """Delete application ``name`` and wait while Serve deletes it, up to ``timeout_s`` (give
+    """Delete application ``name`` and wait while Serve deletes it (polling every ``poll_s``
+    seconds), up to ``timeout_s`` seconds (give
     the replicas' ``graceful_shutdown_timeout_s`` and a margin). ``serve.delete`` gives up after
     a fixed 60 s with ``TimeoutError`` while the deletion goes on: a batch running at Ctrl-C
     that outlasted it ended ``ditserve serve`` with a traceback and exit 1. Its
@@ -122,13 +126,15 @@ def delete_app(name: str, timeout_s: float, poll_s: float = 0.5) -> bool:
 def max_ongoing_requests() -> int:
     """The calling replica's ``max_ongoing_requests`` as Serve runs it now (a config file's
     ``deployments`` section changes it without restarting the replica: Serve reconfigures the
-    running replica and its context). Only inside a replica."""
+    running replica and its context). Only inside a replica. Raises :class:`CompatError` when
+    the replica context has no ``_deployment_config``."""
     return _deployment_config().max_ongoing_requests
 
 
 def most_replicas() -> int:
     """The calling replica's deployment's replica count at most, as Serve runs it now: its
-    ``autoscaling_config``'s ``max_replicas``, else ``num_replicas``. Only inside a replica."""
+    ``autoscaling_config``'s ``max_replicas``, else ``num_replicas``. Only inside a replica.
+    Raises :class:`CompatError` as :func:`max_ongoing_requests`."""
     config = _deployment_config()
     return config.autoscaling_config.max_replicas if config.autoscaling_config else config.num_replicas
 

@@ -42,7 +42,8 @@ def check() -> list[str]:
 
 def long_context_attention(attn_type: str | None, attn_processor=None):
     """yunchang's ``LongContextAttention`` with kernel ``attn_type`` (an ``AttnType`` name), or
-    with ``attn_processor`` (a callable ``(q, k, v, ...) -> (out, lse)``) when ``attn_type`` is None."""
+    with ``attn_processor`` (a callable ``(q, k, v, ...) -> (out, lse)``) when ``attn_type`` is None.
+    Raises :class:`CompatError` when ``LongContextAttention`` rejects ``attn_processor``."""
     from yunchang import LongContextAttention
     from yunchang.kernels import AttnType
 

@@ -343,7 +343,8 @@ ENV_OVERRIDES = {
 
 
 def with_env_overrides(args: dict, environ=os.environ) -> dict:
-    """``args`` with the acceleration defaults named by ``DITSERVE_*`` variables replaced."""
+    """``args`` with the acceleration defaults named by ``DITSERVE_*`` variables replaced. Raises
+    ``ValueError`` naming the variable whose value does not parse."""
     acceleration = dict(args.get("acceleration") or {})
     for var, (key, parse) in ENV_OVERRIDES.items():
         if var in environ:

@@ -37,7 +37,9 @@ def batch_fault(batch: Batch) -> str | None:
 
 def rank_fault(rank: int, batch: Batch, on_step=None):
     """``on_step`` (an ``on_step(done, total)`` callback, or None), made to raise on ``rank``
-    after the configured step of a matching batch (:data:`RANK_FAULT_ENV`)."""
+    after the configured step of a matching batch (:data:`RANK_FAULT_ENV`): the returned
+    callback raises ``RuntimeError`` there. Raises ``ValueError`` for a malformed spec
+    (:func:`parse_rank_fault`)."""
     fault = parse_rank_fault(os.environ.get(RANK_FAULT_ENV))
     if fault is None or fault[0] != rank or fault[1] not in str(batch.signature):
         return on_step

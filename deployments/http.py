@@ -152,6 +152,7 @@ def _inline_refs(schema: dict) -> dict:
 
 
 def media_type(request: Request) -> str:
+    """The request's ``Content-Type`` without parameters, lower-cased ("" when absent)."""
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
@@ -216,7 +217,9 @@ def _unsupported(request: Request, accepted: tuple[str, ...]) -> UnsupportedMedi
 
 
 async def json_body(request: Request, max_json_bytes: int):
-    """A JSON request's body (``Content-Type: application/json`` only, at most ``max_json_bytes``)."""
+    """A JSON request's body (``Content-Type: application/json`` only, at most ``max_json_bytes``
+    bytes). Raises ``UnsupportedMediaTypeError`` for another type, ``PayloadTooLargeError``
+    (:func:`read_body`) and ``InvalidRequestError`` (:func:`parse_json`)."""
     if media_type(request) != JSON_TYPE:
         raise _unsupported(request, (JSON_TYPE,))
     return parse_json(await read_body(request, max_json_bytes))
@@ -227,7 +230,10 @@ async def json_or_form_body(request: Request, max_json_bytes: int, max_body_byte
     """A body sent as JSON or as a form (multipart or url-encoded, how OpenAI's SDK sends
     ``videos.create`` and ``images.edit``), as a JSON-like dict; forms go through
     :func:`form_to_body`, uploads of the fields named in ``files`` become bytes (a list for
-    those in ``file_lists``, given as ``name[]`` or repeated). ``json=False``: forms only (415 for JSON)."""
+    those in ``file_lists``, given as ``name[]`` or repeated). ``json=False``: forms only (415 for JSON).
+    ``max_json_bytes`` / ``max_body_bytes``: the most bytes a JSON / form body may have. Raises
+    ``UnsupportedMediaTypeError`` for another type, ``PayloadTooLargeError`` (:func:`read_body`)
+    and ``InvalidRequestError`` for a malformed JSON or form body (:func:`form_to_body`'s too)."""
     kind = media_type(request)
     if kind == JSON_TYPE and json:
         return parse_json(await read_body(request, max_json_bytes))

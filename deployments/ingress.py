@@ -539,7 +539,7 @@ class Ingress:
     @api.get("/v1/models/{model_id}", dependencies=NO_QUERY)
     async def http_model(self, model_id: str):
         """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the entry of
-        ``GET /v1/models`` with that id, else a 404 naming the served ones."""
+        ``GET /v1/models`` with that id, else a 404 (``ModelNotFoundError``) naming the served ones."""
         listed = (await self.models())["data"]
         found = next((m for m in listed if m["id"] == model_id), None)
         if found is None:

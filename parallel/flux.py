@@ -23,6 +23,7 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
     """FluxAttnProcessor whose attention is yunchang's LongContextAttention over the shards.
 
     Keeps ``_attention_backend`` so per-request kernel switches reach yunchang's kernel map.
+    Raises ``ValueError`` when called with an ``attention_mask``.
     """
 
     def __init__(self, usp: USPAttention):
@@ -60,7 +61,8 @@ class USPFluxAttnProcessor(FluxAttnProcessor):
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
     """Shard a FLUX.1 ``transformer``'s sequence across the mesh: yunchang attention in every
-    attention layer, diffusers' split/gather hooks from its ``_cp_plan``."""
+    attention layer, diffusers' split/gather hooks from its ``_cp_plan``. Raises ``ValueError``
+    when the transformer has no ``_cp_plan``."""
     usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         if isinstance(getattr(module, "processor", None), FluxAttnProcessor):

@@ -28,7 +28,8 @@ def _heads(attn, x: torch.Tensor) -> torch.Tensor:
 
 class USPFlux2AttnProcessor(Flux2AttnProcessor):
     """Flux2AttnProcessor (double-stream blocks) with yunchang's attention over the shards.
-    Keeps ``_attention_backend`` so per-request kernel switches reach yunchang's kernel map."""
+    Keeps ``_attention_backend`` so per-request kernel switches reach yunchang's kernel map.
+    Raises ``ValueError`` when called with an ``attention_mask``."""
 
     def __init__(self, usp: USPAttention):
         super().__init__()
@@ -61,7 +62,8 @@ class USPFlux2AttnProcessor(Flux2AttnProcessor):
 
 class USPFlux2ParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
     """Flux2ParallelSelfAttnProcessor (single-stream blocks: fused QKV + MLP projection) with
-    yunchang's attention over the shards."""
+    yunchang's attention over the shards. Raises ``ValueError`` when called with an
+    ``attention_mask``."""
 
     def __init__(self, usp: USPAttention):
         super().__init__()
@@ -88,7 +90,8 @@ class USPFlux2ParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
     """Shard a FLUX.2 ``transformer``'s sequence across the mesh: yunchang attention in every
-    attention layer, diffusers' split/gather hooks from its ``_cp_plan``."""
+    attention layer, diffusers' split/gather hooks from its ``_cp_plan``. Raises ``ValueError``
+    when the transformer has no ``_cp_plan``."""
     usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         processor = getattr(module, "processor", None)

@@ -70,6 +70,7 @@ def broadcast_object(obj):
 
 
 def leave() -> None:
+    """Destroy the replica's process group, if this process joined one."""
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -102,7 +102,8 @@ def _runs_here(spec: KernelSpec, device_type: str, dtype: str) -> list[str]:
 
 
 def installed_version(package: str) -> str | None:
-    """The installed version of the distribution that provides import name ``package``."""
+    """The installed version of the distribution that provides import name ``package`` (None:
+    not installed)."""
     try:
         return importlib.metadata.version(DISTRIBUTIONS.get(package, package))
     except importlib.metadata.PackageNotFoundError:

@@ -16,7 +16,8 @@ _LAYOUT = "_ditserve_cp"  # our own attribute: the layout the hooks were install
 
 
 def apply_sequence_split(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
-    """Install the split/gather hooks of the transformer's ``_cp_plan`` for this rank of ``mesh``."""
+    """Install the split/gather hooks of the transformer's ``_cp_plan`` for this rank of ``mesh``.
+    Raises ``ValueError`` when the transformer has no ``_cp_plan``."""
     cp = compat.context_parallel_config(config.ring_degree, config.ulysses_degree)
     cp.setup(rank, config.world_size, transformer.device, mesh)
     setattr(transformer, _LAYOUT, cp)

@@ -59,7 +59,8 @@ class USPWanAttnProcessor(WanAttnProcessor):
 
 def enable_sequence_parallel(transformer: torch.nn.Module, config: ParallelConfig, mesh, rank: int) -> None:
     """Shard a Wan ``transformer``'s sequence across the mesh: yunchang self-attention in every
-    block, diffusers' split/gather hooks from ``transformer._cp_plan``."""
+    block, diffusers' split/gather hooks from ``transformer._cp_plan``. Raises ``ValueError``
+    when the transformer has no ``_cp_plan``."""
     usp = USPAttention(transformer.device.type, config.ring_degree)
     for module in transformer.modules():
         if isinstance(getattr(module, "processor", None), WanAttnProcessor):

@@ -85,7 +85,8 @@ BLOCK_REGISTRY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 def register_blocks(class_name: str, blocks: tuple[str, ...], patterns: tuple[str, ...]) -> None:
     """Teach Cache-DiT a transformer cache-dit does not know, e.g.
-    ``register_blocks("MyDiT", ("blocks",), ("Pattern_1",))`` (cache-dit ``ForwardPattern`` names)."""
+    ``register_blocks("MyDiT", ("blocks",), ("Pattern_1",))`` (cache-dit ``ForwardPattern`` names).
+    Raises ``ValueError`` unless ``blocks`` and ``patterns`` are the same length."""
     if len(blocks) != len(patterns):
         raise ValueError("one ForwardPattern per blocks attribute")
     BLOCK_REGISTRY[class_name] = (tuple(blocks), tuple(patterns))

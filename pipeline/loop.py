@@ -45,10 +45,13 @@ PRIMARY, SECONDARY = "transformer", "transformer_2"
 class LoopOutput:
     """images: one float32 array in [0, 1] per request, in batch order: (n, H, W, 3) for
     images, (n, F, H, W, 3) for videos (empty on sequence-parallel ranks other than 0; None
-    for a request in ``failures``). ``denoise_ms``/``decode_ms``: wall time in ms. ``calls``:
-    transformer name -> forwards run. ``failures``: batch index -> (request field, exception)
-    of the requests taken out of the batch because their own input failed. ``dropped``: batch
-    index -> steps done when the request's rows were dropped (nobody waited for it; no image).
+    for a request in ``failures``). ``denoise_ms``/``decode_ms``: wall time in ms (``denoise_ms``
+    includes prompt encoding and the initial latents). ``steps``: denoising steps of the
+    schedule (0 when no request's text encoded); ``cfg_reused_steps``: steps whose guiding
+    forward CFG gating skipped. ``calls``: transformer name -> forwards run. ``failures``: batch
+    index -> (request field, exception) of the requests taken out of the batch because their own
+    input failed. ``dropped``: batch index -> steps done when the request's rows were dropped
+    (nobody waited for it; no image).
     ``non_finite``: batch indices whose final latents hold NaN or ±inf (a numerical overflow;
     their decoded images are not to be answered: the VAE's post-processing clamps +inf to white)."""
 

@@ -256,7 +256,9 @@ class BatchRunner:
 
     def prepare_state(self, batch_id: str, head: SamplingParams, schedule: BatchSchedule) -> None:
         """Move this rank to the state the batch wants, executing ``plan_transition``'s actions.
-        Raises what an action raises (a failed Cache-DiT action leaves every transformer unmounted)."""
+        Raises ``LoraLoadError`` when an adapter fails to load, else ``StateTransitionError``
+        (chained to the action's error) for any failed action (a failed Cache-DiT action leaves
+        every transformer unmounted)."""
         self.run_steps = schedule.run_steps
         loads = self.lora.counters["lora_loads"]
         wanted = self.wanted_state(head, schedule)
@@ -362,14 +364,15 @@ class BatchRunner:
 
     def denoise(self, batch: Batch, on_step=None, should_stop=None, on_preview=None,
                 requests_gone=None) -> LoopOutput:
-        """Move the state to the batch's signature and run the loop. Images (float32,
-        (n, H, W, 3) per request) only on rank 0. ``should_stop()``: this rank's wish to stop at
-        a step boundary (``pipeline.loop.BatchCancelled``); ``requests_gone()``: ids of the
-        batch's requests nobody waits for, whose rows are dropped at the next step boundary
-        (not while Cache-DiT runs: its buffers hold every row's residuals, so such a batch runs
-        its rows to the end and only a whole-batch stop saves work). Raises ``StateTransitionError`` when
-        the state cannot be reached, else whatever the model or cache-dit raises, after leaving
-        Cache-DiT unmounted, with the rows dropped before it noted on it
+        """Move the state to the batch's signature and run the loop. Images (float32 in [0, 1],
+        (n, H, W, 3) per request, (n, F, H, W, 3) for videos) only on rank 0. ``should_stop()``:
+        this rank's wish to stop at a step boundary (``pipeline.loop.BatchCancelled``);
+        ``requests_gone()``: ids of the batch's requests nobody waits for, whose rows are dropped
+        at the next step boundary (not while Cache-DiT runs: its buffers hold every row's
+        residuals, so such a batch runs its rows to the end and only a whole-batch stop saves
+        work). Raises ``StateTransitionError`` when the state cannot be reached (``LoraLoadError``
+        for an adapter that fails to load), else whatever the model or cache-dit raises, after
+        leaving Cache-DiT unmounted, with the rows dropped before it noted on it
         (``pipeline.errors.dropped_rows``)."""
         head = batch.requests[0]
         schedule = plan_batch(self.family, head)

@@ -42,13 +42,15 @@ def file_bytes(v: object) -> object:
 
 
 def non_negative(v: float | None, info: ValidationInfo) -> float | None:
+    """A pydantic field check: ``v`` finite and >= 0 (None passes); raises ``ValueError`` naming the field."""
     if v is not None and (not math.isfinite(v) or v < 0):
         raise ValueError(f"{info.field_name} must be a finite number >= 0, got {v}")
     return v
 
 
 def guidance_scale(v: float | None, info: ValidationInfo) -> float | None:
-    """A guidance scale: finite, in [0, MAX_GUIDANCE_SCALE]."""
+    """A guidance scale: finite, in [0, MAX_GUIDANCE_SCALE] (None passes); raises ``ValueError``
+    naming the field."""
     non_negative(v, info)
     if v is not None and v > MAX_GUIDANCE_SCALE:
         raise ValueError(f"{info.field_name} must be at most {MAX_GUIDANCE_SCALE:g}, got {v}")

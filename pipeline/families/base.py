@@ -119,7 +119,8 @@ class ModelFamily(Protocol):
         (or None). With image inputs (``params.input_mode`` not ``TEXT``): ``requests`` are the
         batch's requests in generator order (their ``images`` / ``mask``), ``schedule`` the
         batch's ``pipeline.loop.BatchSchedule`` (the timestep to noise to); ``positions`` then
-        also carry the image conditioning (opaque to the loop; has ``.to(device)``)."""
+        also carry the image conditioning (opaque to the loop; has ``.to(device)``). A family
+        with image inputs raises ``ValueError`` for an ``input_mode`` its checkpoint does not serve."""
 
     def combine_guidance(self, cond: torch.Tensor, guide: torch.Tensor, scale: float) -> torch.Tensor:
         """The guided prediction from the conditional and the guiding one (same shape):
@@ -138,8 +139,10 @@ class ModelFamily(Protocol):
         two groups): per-sample parts indexed, shared ones (FLUX's position ids) as they are."""
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params) -> tuple[Any, torch.Tensor]:
-        """A fresh scheduler for one batch of ``params``' size and its timesteps
-        ((num_inference_steps,) float32, the values the transformer is called with)."""
+        """A fresh scheduler for one batch of ``params``' size and its timesteps, the values the
+        transformer is called with: 1-D, ``params.effective_steps`` long (all
+        ``num_inference_steps`` without ``strength``); float32 for flow-matching schedulers
+        (FLUX, Qwen-Image, Z-Image), int64 for Wan's ``UniPCMultistepScheduler``."""
 
     def guidance(self, embedded_guidance_scale: float | None, batch: int) -> torch.Tensor | None:
         """The embedded guidance input (B,) float32, or None when the model has none."""
@@ -204,23 +207,26 @@ def shared_positions(positions, index: torch.Tensor):
 
 
 def pixel_tensor(images, device, dtype) -> torch.Tensor:
-    """:class:`pipeline.wire.ImageArray` RGB images → (B, 3, H, W) in [-1, 1], as diffusers'
-    ``VaeImageProcessor.preprocess`` makes them from PIL images (``/255``, then ``2x − 1``)."""
+    """:class:`pipeline.wire.ImageArray` RGB images (uint8, H × W pixels) → (B, 3, H, W) in
+    [-1, 1], ``dtype`` on ``device``, as diffusers' ``VaeImageProcessor.preprocess`` makes them
+    from PIL images (``/255``, then ``2x − 1``)."""
     pixels = np.stack([np.asarray(image.array(), dtype=np.float32) / 255.0 for image in images])
     return (2.0 * torch.from_numpy(pixels).permute(0, 3, 1, 2) - 1.0).to(device=device, dtype=dtype)
 
 
 def repaint_mask(mask, device, dtype) -> torch.Tensor:
     """An OpenAI mask (its alpha, :class:`pipeline.wire.ImageArray` 1 channel) → diffusers' mask
-    (1, 1, H, W): 1 where the image is repainted (alpha 0), 0 where it is kept, binarised at
-    0.5 as ``VaeImageProcessor(do_binarize=True)`` does."""
+    (1, 1, H, W) in ``dtype``: 1 where the image is repainted (alpha 0), 0 where it is kept,
+    binarised at 0.5 as ``VaeImageProcessor(do_binarize=True)`` does."""
     repaint = (255.0 - np.asarray(mask.array(), dtype=np.float32)) / 255.0
     return (torch.from_numpy(repaint).permute(2, 0, 1)[None] >= 0.5).to(device=device, dtype=dtype)
 
 
 def strength_timesteps(scheduler, timesteps: torch.Tensor, num_inference_steps: int, strength: float | None):
-    """The timesteps an image-to-image run of ``strength`` takes, with the scheduler started
-    there (diffusers' ``get_timesteps`` of ``FluxImg2ImgPipeline``); all of them without strength."""
+    """The timesteps an image-to-image run of ``strength`` takes: ``scheduler.timesteps`` without
+    its first ``int(N − N·strength) · scheduler.order`` (N: ``num_inference_steps``), the
+    scheduler's begin index set there (diffusers' ``get_timesteps`` of ``FluxImg2ImgPipeline``);
+    ``timesteps`` unchanged without strength."""
     if strength is None:
         return timesteps
     init = min(num_inference_steps * strength, num_inference_steps)

@@ -175,7 +175,8 @@ class FluxFamily:
         Returns latents: (B, (h/2)·(w/2), 4·C) packed, dtype of the transformer, with
         B = sum(counts) and h, w the latent size; and img_ids: ((h/2)·(w/2), 3) for text, or
         :class:`FluxImageInputs` for image inputs (``requests``' images; ``schedule``'s first
-        timestep for image-to-image and inpainting).
+        timestep for image-to-image and inpainting). Raises ``ValueError`` for an input mode
+        this class does not serve (``input_modes``).
         """
         from diffusers.utils.torch_utils import randn_tensor
 

@@ -105,6 +105,10 @@ class WanFamily:
     @classmethod
     def from_pretrained(cls, path, *, torch_dtype=torch.float32, device="cpu", components: str = "all",
                         vae_slicing: bool = False, dual_transformer: str | None = None) -> "WanFamily":
+        """:meth:`ModelFamily.from_pretrained`; ``dual_transformer`` None reads the checkpoint's
+        ``ditserve.json``. Raises ``ValueError`` for a Wan 2.1-style ``WanImageToVideoPipeline``
+        (CLIP image encoder, no ``expand_timesteps``), an unknown ``components``, and as
+        :class:`WanFamily` does for a ``dual_transformer`` the checkpoint cannot run."""
         import diffusers
         from diffusers import AutoencoderKLWan
 
@@ -171,6 +175,7 @@ class WanFamily:
         return min(count_blocks(t) for t in self.transformers.values())
 
     def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of ``num_frames`` video frames: ``(num_frames − 1) // temporal_factor + 1``."""
         return (num_frames - 1) // self.temporal_factor + 1
 
     def sequence_lengths(self, width: int, height: int, num_frames: int = 1) -> dict[str, int]:
@@ -195,10 +200,12 @@ class WanFamily:
 
     def prepare_latents(self, generators: list[torch.Generator], counts: list[int], params, requests=None,
                         schedule=None):
-        """Initial noise (B, z_dim, latent frames, height/8, width/8) float32, one generator
+        """Initial noise (B, in_channels, latent frames, height/s, width/s) float32 (``s``: the
+        VAE's ``scale_factor_spatial``, 8 for Wan 2.1, 16 for Wan 2.2 TI2V), one generator
         per request drawing that request's ``count`` samples; Wan needs no position ids, so
         ``positions`` is None, or :class:`WanImageInputs` for image-to-video (``requests``'
-        first images, encoded after the noise is drawn, as ``WanImageToVideoPipeline``)."""
+        first images, encoded after the noise is drawn, as ``WanImageToVideoPipeline``).
+        Raises ``ValueError`` for an image input this checkpoint does not serve."""
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (self.transformer.config.in_channels, self.latent_frames(params.num_frames),
@@ -242,7 +249,8 @@ class WanFamily:
         return (1 - positions.mask) * positions.condition + positions.mask * latents
 
     def scheduler_and_timesteps(self, num_inference_steps: int, params=None):
-        """A fresh copy of the checkpoint's scheduler (UniPC flow prediction for Wan) and its timesteps."""
+        """A fresh copy of the checkpoint's scheduler (UniPC flow prediction for Wan) and its
+        timesteps, (num_inference_steps,) int64 for UniPC."""
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
