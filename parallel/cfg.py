@@ -22,9 +22,11 @@ denoising step (``pipeline.loop.denoise_batch`` calls :meth:`CfgParallel.step`):
   reduce over the whole process group) and a Cache-DiT batch is not equal to one rank's.
 
 Every rank ends each step with the same predictions, so the scheduler steps agree everywhere
-and rank 0 decodes alone. Predictions travel in the transformer's dtype (``family.dtype``: what
-``predict`` returns, bf16 on GPU) whatever the latents' (Wan keeps float32 latents), so both
-ends of every collective agree on its bytes.
+and rank 0 decodes alone. Predictions travel in the dtype ``predict`` returns
+(``family.prediction_dtype``: the transformer's, bf16 on GPU, or float32 where the pipeline
+upcasts, Z-Image) whatever the latents' (Wan keeps float32 latents), so both ends of every
+collective agree on its bytes and guidance sees what one rank's would (helper-72: Z-Image's
+float32 predictions went through bf16).
 """
 
 from __future__ import annotations
@@ -96,9 +98,10 @@ class CfgParallel:
     def step(self, family, step, guided: bool, latents: torch.Tensor, t: torch.Tensor, cond, guide_cond, guidance,
              positions) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step's predictions ``(cond_pred, guide_pred or None)``, each shaped like
-        ``latents`` (B, ...), identical on every rank. ``step``: a ``pipeline.loop.StepPlan``;
-        ``guided``: the step makes its guiding forward (before the CFG gate)."""
-        dtype = family.dtype  # what predict returns: the wire dtype of every collective below
+        ``latents`` (B, ...) in ``family.prediction_dtype``, identical on every rank. ``step``: a
+        ``pipeline.loop.StepPlan``; ``guided``: the step makes its guiding forward (before the
+        CFG gate)."""
+        dtype = family.prediction_dtype  # what predict returns: the wire dtype of every collective below
         if guided:
             if self.cfg_rank == 0:
                 own = family.predict(latents, t, cond, guidance, positions, model=step.model, branch="cond")

@@ -164,6 +164,31 @@ def test_one_guided_step_through_our_loop(family):
     assert out.images[0].shape == (1, *frames, p.height, p.width, 3)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_predict_returns_its_prediction_dtype_in_bfloat16(model):
+    """CFG parallelism moves predictions in ``prediction_dtype`` (parallel.cfg): Z-Image's
+    ``predict`` upcasts to float32, as ZImagePipeline does, and went through bf16 there while one
+    rank guided in float32 (helper-72). Each family in bf16 declares what it returns."""
+    from pipeline.families.z_image import ZImageFamily
+
+    spec = EMBEDDED[model]
+    family = load_family(spec.family, spec.build(), torch_dtype=torch.bfloat16, device="cpu")
+    seen = []
+    predict = family.predict
+
+    def recording(*args, **kwargs):
+        out = predict(*args, **kwargs)
+        seen.append(out.dtype)
+        return out
+
+    family.predict = recording
+    p = _params(family, "", 3)
+    p = p.__class__(**{**p.__dict__, "num_inference_steps": 1})
+    denoise_batch(family, [p], plan_batch(family, p))
+    assert seen and set(seen) == {family.prediction_dtype}
+    assert family.prediction_dtype == (torch.float32 if isinstance(family, ZImageFamily) else torch.bfloat16)
+
+
 def test_denoiser_ranks_load_no_encoders_and_decode_slices_the_same(family, request):
     """Sequence-parallel ranks other than 0 load the transformers alone (``components=
     "denoiser"``): fewer bytes, the same geometry. VAE slicing decodes the same pixels."""

@@ -44,6 +44,9 @@ class ModelFamily(Protocol):
     pipeline_classes: ClassVar[tuple[str, ...]]  # diffusers pipeline class names it serves
     device: torch.device
     dtype: torch.dtype                      # the transformers' dtype
+    # what ``predict`` returns: ``dtype``, or float32 where the diffusers pipeline upcasts the
+    # transformer's output (Z-Image); the wire dtype of CFG parallelism's collectives (parallel.cfg)
+    prediction_dtype: torch.dtype
     dual_mode: DualMode
     guidance_style: GuidanceMode            # the mode a guided request of this model runs
     guidance_embeds: bool                   # takes an embedded (distilled) guidance scale

@@ -94,7 +94,7 @@ class FluxFamily:
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.device = pipe.transformer.device
-        self.dtype = pipe.transformer.dtype
+        self.dtype = self.prediction_dtype = pipe.transformer.dtype
         self.vae_scale_factor = vae_scale_factor
         # FluxPipeline caps T5 at 512 tokens; a checkpoint may ship a shorter tokenizer.
         self.max_sequence_length = min(512, int(pipe.tokenizer_2.model_max_length))

@@ -64,7 +64,7 @@ class Flux2Family:
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.device = pipe.transformer.device
-        self.dtype = pipe.transformer.dtype
+        self.dtype = self.prediction_dtype = pipe.transformer.dtype
         self.vae_scale_factor = vae_scale_factor
         # Flux2Pipeline derives it from a loaded VAE (8 without one): ranks that load no VAE
         # (components="denoiser") must shape latents as rank 0 does

@@ -87,7 +87,7 @@ class QwenImageFamily:
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.device = pipe.transformer.device
-        self.dtype = pipe.transformer.dtype
+        self.dtype = self.prediction_dtype = pipe.transformer.dtype
         self.vae_scale_factor = vae_scale_factor
         pipe.vae_scale_factor = vae_scale_factor  # the pipeline's is 8 without a loaded VAE (denoiser ranks)
         # QwenImagePipeline.__call__'s default (its encoder could take tokenizer_max_length, 1024)

@@ -87,7 +87,7 @@ class WanFamily:
         self.transformer = pipe.transformer
         self.transformer_2 = pipe.transformer_2
         self.device = pipe.transformer.device
-        self.dtype = pipe.transformer.dtype
+        self.dtype = self.prediction_dtype = pipe.transformer.dtype
         self.max_sequence_length = min(512, int(pipe.tokenizer.model_max_length))
         self.boundary_ratio = pipe.config.boundary_ratio
         if dual_transformer not in (None, DualMode.BOUNDARY, DualMode.PAIRED):

@@ -68,6 +68,7 @@ class ZImageFamily:
         self.transformer = pipe.transformer
         self.device = pipe.transformer.device
         self.dtype = pipe.transformer.dtype
+        self.prediction_dtype = torch.float32  # predict upcasts, as ZImagePipeline does
         self.vae_scale_factor = vae_scale_factor
         pipe.vae_scale_factor = vae_scale_factor  # the pipeline's is 8 without a loaded VAE
         self.max_sequence_length = min(512, int(pipe.tokenizer.model_max_length))
