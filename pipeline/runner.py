@@ -517,17 +517,18 @@ class BatchRunner:
         images = [None if i in non_finite else samples for i, samples in enumerate(out.images)]
         media, thumbnails, unencoded = [], [], {}
         for i, (p, samples) in enumerate(zip(batch.requests, images, strict=True)):
+            items = thumbs = None
             try:
-                media.append(None if samples is None else
-                             [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
-                              for v in samples])
-                thumbnails.append(None if samples is None or not video else
-                                  [encode_image(v[0], VIDEO_IMAGE_FORMAT, 90) for v in samples])
+                if samples is not None:
+                    items = [encode_mp4(v, p.fps) if video else encode_image(v, p.output_format, p.output_compression)
+                             for v in samples]
+                    thumbs = [encode_image(v[0], VIDEO_IMAGE_FORMAT, 90) for v in samples] if video else None
             except Exception as exc:  # its own size or format: its batch-mates keep their media
                 logger.exception("request %s: its output could not be encoded", p.request_id)
                 unencoded[i] = exc
-                media.append(None)
-                thumbnails.append(None)
+                items = thumbs = None
+            media.append(items)
+            thumbnails.append(thumbs)
         encode_ms = (time.perf_counter() - t0) * 1e3
         report = self._report(head, out)
         timings = {"denoise": out.denoise_ms, "decode": out.decode_ms + encode_ms}
@@ -548,10 +549,11 @@ class BatchRunner:
                     code="unprocessable_text", request_id=p.request_id)
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             elif i in unencoded:
-                what = "a video" if video else f"{p.output_format} ({p.width}x{p.height})"
+                what = (f"an MP4 with a {VIDEO_IMAGE_FORMAT} thumbnail" if video
+                        else f"{p.output_format}") + f" at {p.width}x{p.height}"
                 error = OutputEncodingError(
-                    f"the output of request {p.request_id} could not be encoded as {what}: "
-                    f"{type(unencoded[i]).__name__}: {str(unencoded[i])[:200]}; the other requests of its batch ran",
+                    f"the output of request {p.request_id} could not be encoded as {what} "
+                    f"({type(unencoded[i]).__name__}); the other requests of its batch ran",
                     code="encoding_failed", request_id=p.request_id)
                 outputs.append(RequestOutput(p.request_id, p.seed, [], dict(timings), acceleration, error=error))
             elif i in non_finite:

@@ -197,6 +197,39 @@ def test_an_output_its_encoder_cannot_write_fails_its_request_alone():
     assert outputs[0].error is None and Image.open(io.BytesIO(outputs[0].images[0])).size == (16, 16400)
     error = outputs[1].error
     assert error is not None and error.code == "encoding_failed" and outputs[1].images == []
-    assert "webp (16x16400)" in error.message and requests[1].request_id in error.message
+    assert "as webp at 16x16400 (ValueError)" in error.message and requests[1].request_id in error.message
     assert error_response(error).headers["x-should-retry"] == "false"
     assert [e["request_id"] for e in previews] == [requests[0].request_id]
+
+
+def test_a_video_whose_thumbnail_cannot_be_encoded_fails_alone(monkeypatch):
+    """A video whose MP4 encoded and whose WebP thumbnail then failed was listed twice, and the
+    whole batch failed on the mismatch (helper-73): it fails alone, its batch-mate keeps its
+    MP4 and thumbnail."""
+    import io
+
+    from PIL import Image
+
+    import pipeline.runner as runner_module
+    from pipeline.runner import BatchRunner
+    from tests.helpers import batch_of, video_params
+
+    runner = BatchRunner("tiny-wan")
+    requests = [video_params(runner.family, prompt, seed, num_inference_steps=2, num_frames=5)
+                for prompt, seed in (("a red circle", 1), ("a blue square", 2))]
+    encode, calls = runner_module.encode_image, []
+
+    def first_fails(image, output_format="png", output_compression=None):
+        calls.append(output_format)
+        if len(calls) == 1:  # the first request's thumbnail: its MP4 was encoded before it
+            raise ValueError("injected")
+        return encode(image, output_format, output_compression)
+
+    monkeypatch.setattr(runner_module, "encode_image", first_fails)
+    outputs = runner.run(batch_of(*requests))
+    assert calls == ["webp", "webp"]
+    error = outputs[0].error
+    assert error is not None and error.code == "encoding_failed" and outputs[0].videos == []
+    assert "an MP4 with a webp thumbnail at 64x48 (ValueError)" in error.message
+    assert outputs[1].error is None and outputs[1].videos[0][4:8] == b"ftyp"
+    assert Image.open(io.BytesIO(outputs[1].images[0])).size == (64, 48)

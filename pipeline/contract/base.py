@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from parallel.kernels import kernel_names
 from pipeline.cache_dit_params import DEFAULT_FN_COMPUTE_BLOCKS, DEFAULT_MAX_WARMUP_STEPS, CacheDiTKnobs, CacheDiTParams
-from pipeline.contract.limits import MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem, split_problem
+from pipeline.contract.limits import (MAX_GUIDANCE_SCALE, ServingLimits, encoding_problem, parse_size, size_problem,
+                                      split_problem)
 from pipeline.contract.lora import LoraRequest, adapter_model_id, split_model
 from pipeline.contract.text import did_you_mean, shown, text_problem
 from pipeline.errors import InvalidRequestError, ModelNotFoundError
@@ -395,6 +396,15 @@ class GenerationRequest(BaseModel):
             raise ValueError("; ".join(problems))
         return params
 
+    @model_validator(mode="after")
+    def _size_encodes(self) -> "GenerationRequest":
+        """A size the encoder cannot write failed its whole batch after the denoise (helper-70):
+        an image's ``output_format``, a video's WebP thumbnail (no ``output_format``)."""
+        problem = encoding_problem(*parse_size(self.size), getattr(self, "output_format", None)) if self.size else None
+        if problem:
+            raise ValueError(problem)
+        return self
+
     def check_split(self, limits: ServingLimits | None, latent_frames: int, frames_field: str | None = None) -> None:
         """Sequence parallelism splits the latent tokens of a sample evenly across the ranks
         (unless the model pads its sequence to a multiple the ranks divide: any size splits).
@@ -442,8 +452,9 @@ def fields_at(model: type[BaseModel], path: tuple, validated_as: dict | None = N
 # out), which says what is wrong but not what is allowed: the field's ALLOWED text is added.
 OWN_ERRORS = frozenset({"value_error", "assertion_error", "extra_forbidden"})
 # Fields of OpenAI's images API (create and edit: gpt-image and DALL-E models) that no ditserve
-# model takes; named as such, not as unknown (helper-63: "unknown field 'quality'")
-OPENAI_ONLY_FIELDS = frozenset({"quality", "moderation", "style", "input_fidelity"})
+# model takes; named as such, not as unknown (helper-63: "unknown field 'quality'"). Image
+# requests take ``background`` auto or opaque (ImageGenerationRequest); a video request is told so
+OPENAI_ONLY_FIELDS = frozenset({"quality", "background", "moderation", "style", "input_fidelity"})
 
 
 def allowed_text(model: type[BaseModel], field: str, limits: ServingLimits) -> str | None:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from pipeline.contract.base import GenerationRequest, guidance_scale, limits_of, one_of, validate_body
 from pipeline.contract.text import shown
-from pipeline.contract.limits import ServingLimits, encoding_problem, parse_size
+from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
 from pipeline.modes import GuidanceMode
 from pipeline.wire import GenerationMetadata
@@ -117,14 +117,6 @@ class ImageGenerationRequest(GenerationRequest):
     def _compression_needs_a_lossy_format(self) -> "ImageGenerationRequest":
         if self.output_compression is not None and self.output_format == "png":
             raise ValueError("output_compression applies to output_format jpeg or webp, not png (lossless)")
-        return self
-
-    @model_validator(mode="after")
-    def _size_encodes(self) -> "ImageGenerationRequest":
-        """A size the encoder cannot write failed its whole batch after the denoise (helper-70)."""
-        problem = encoding_problem(*parse_size(self.size), self.output_format) if self.size else None
-        if problem:
-            raise ValueError(problem)
         return self
 
     @field_validator("true_cfg_scale")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_se
 
 from pipeline.contract.base import GenerationRequest, file_bytes, guidance_scale, limits_of, validate_body
 from pipeline.contract.text import shown
-from pipeline.contract.limits import ServingLimits, encoding_problem, parse_size
+from pipeline.contract.limits import ServingLimits
 from pipeline.errors import InvalidRequestError
 from pipeline.modes import DualMode, InputMode, StrEnum
 from pipeline.wire import AccelerationReport
@@ -151,13 +151,6 @@ class VideoGenerationRequest(GenerationRequest):
             raise ValueError(f"{field}: {frames} frames are {latent_frames} latent frames; this model's position "
                              f"table covers {limits.max_latent_frames} (at most {most} frames)")
         self.check_split(limits, latent_frames, field)
-        return self
-
-    @model_validator(mode="after")
-    def _size_encodes(self) -> "VideoGenerationRequest":
-        problem = encoding_problem(*parse_size(self.size), None) if self.size else None
-        if problem:
-            raise ValueError(problem)
         return self
 
 
