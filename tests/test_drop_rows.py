@@ -121,7 +121,8 @@ def test_a_stopped_batch_names_the_rows_it_had_dropped_before(flux):
 def test_a_failed_batch_names_the_rows_it_had_dropped_before(flux, monkeypatch):
     """The model fails at step 4 after request r2's rows left at step 1: the error the runner
     raises names r2 and its step (``dropped_rows``), so the Router still counts its saved work;
-    a failure with nothing dropped names nothing; so does a failure of the encoding after the loop."""
+    a failure with nothing dropped names nothing. A failure of the encoding after the loop fails
+    each request it hits alone (``encoding_failed``), the dropped one still reported dropped."""
     batch = batch_of(*(params(f"prompt {s}", s, steps=6, size=(64, 64)) for s in (1, 2, 3)))
     done = {"steps": 0}
 
@@ -137,16 +138,16 @@ def test_a_failed_batch_names_the_rows_it_had_dropped_before(flux, monkeypatch):
     with pytest.raises(RuntimeError, match="the model failed") as failed:
         flux.run(batch, on_step=on_step)
     assert dropped_rows(failed.value) == {}
-    # encoding fails after the loop ended with r2 dropped at step 1: still named
+    # encoding fails after the loop ended with r2 dropped at step 1: r1 and r3 fail alone, r2 is named
     import pipeline.runner
 
     def broken_encoder(*_args, **_kwargs):
         raise OSError("the encoder failed")
 
     monkeypatch.setattr(pipeline.runner, "encode_image", broken_encoder)
-    with pytest.raises(OSError, match="the encoder failed") as failed:
-        flux.run(batch, requests_gone=lambda: frozenset({"r2"}))
-    assert dropped_rows(failed.value) == {1: 1}
+    outputs = flux.run(batch, requests_gone=lambda: frozenset({"r2"}))
+    assert [o.error.code if o.error else None for o in outputs] == ["encoding_failed", None, "encoding_failed"]
+    assert [o.dropped_at_step for o in outputs] == [None, 1, None]
     monkeypatch.undo()
     # the runner is left consistent: the next batch equals a fresh run's
     assert np.array_equal(flux.denoise(batch).images[0], BatchRunner("tiny-flux").denoise(batch).images[0])
