@@ -530,3 +530,24 @@ def test_the_cross_site_guard_stands_aside_where_keys_are_required():
     app.state.api_keys = (b"sk-" + b"a" * 40,)
     asyncio.run(guard(scope, receive, send))
     assert answered == [403, 200]
+
+
+def test_a_handle_callers_python_values_are_read_as_json_brings_them():
+    """helper-74: through a handle, a numpy seed was a 400 'valid integer' and a tuple a 400
+    'valid list'; an edit's image as base64 text was told 'at most 2000 characters' as if a
+    shorter string would do. Integral numbers are ints and tuples lists; a file given as text is
+    told to be bytes, at any length. Booleans stay booleans (not 0/1)."""
+    import numpy as np
+
+    from pipeline.contract.edits import validate_edit_request
+
+    knobs = (np.int64(2), np.int32(1))
+    request = validate_image_request({"prompt": "a", "seed": np.int64(3), "num_inference_steps": np.int32(8),
+                                      "cache_dit_params": {"Fn_compute_blocks": knobs[0], "Bn_compute_blocks": knobs[1],
+                                                           "scm_compute_bins": (4,), "scm_cache_bins": (4,)}}, LIMITS)
+    assert (request.seed, request.num_inference_steps) == (3, 8) and type(request.seed) is int
+    assert list(request.cache_dit_params.scm_cache_bins) == [4]  # a tuple was a 400 'valid list'
+    assert refused({"prompt": "a", "seed": True}).param == "seed"
+    with pytest.raises(InvalidRequestError) as info:
+        validate_edit_request({"prompt": "a", "image": "iVBORw0KGgo" * 1000}, LIMITS)
+    assert info.value.param == "image" and info.value.message.startswith("image: expected file bytes (an upload; ")

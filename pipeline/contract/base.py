@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import re
 from typing import Any, ClassVar, get_args, get_origin
 
@@ -28,6 +29,7 @@ from pipeline.modes import DualMode, GuidanceMode, Priority
 MAX_BODY_DEPTH = 6        # the deepest legitimate body: cache_dit_params.secondary.<knob> (3 levels)
 MAX_ERRORS_LISTED = 8     # problems listed in one message, then "and N more"
 MAX_SHORT_TEXT = 256      # ``user``, ``model`` and other short strings
+FILE_FIELDS = frozenset({"image", "mask", "input_reference"})  # file bytes (edits' and image-to-video's)
 
 
 def limits_of(info: ValidationInfo) -> ServingLimits | None:
@@ -555,13 +557,30 @@ def check_shape(body: dict, limits: ServingLimits) -> None:
             raise InvalidRequestError(f"{top}: objects nest more than {MAX_BODY_DEPTH} levels deep", param=str(top),
                                       code="invalid_value")
         if isinstance(value, str) and len(value) > max_string:
+            if top in FILE_FIELDS:  # a handle caller's base64 text: not a shorter string (helper-74)
+                raise InvalidRequestError(f"{top}: expected file bytes (an upload; through a handle, bytes), got a "
+                                          f"string of {len(value)} characters", param=str(top), code="invalid_value")
             raise InvalidRequestError(f"{top}: a string of {len(value)} characters; at most {max_string} are allowed",
                                       param=str(top), code="invalid_value")
         if isinstance(value, dict):
             stack.extend((top, v, depth + 1) for v in value.values())
             values += len(value)  # keys count too
-        elif isinstance(value, list):
+        elif isinstance(value, (list, tuple)):
             stack.extend((top, v, depth + 1) for v in value)
+
+
+def json_like(value):
+    """A handle caller's Python values as JSON brings them: integral numbers other than ``int``
+    (numpy's ``int64``, ...; not ``bool``) as ``int``, tuples as lists (helper-74: a numpy seed
+    was a 400 'valid integer', a tuple of adapters one of 'valid list'). Bytes-like values and
+    everything else unchanged; call after :func:`check_shape` (it bounds the walk)."""
+    if isinstance(value, dict):
+        return {key: json_like(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_like(v) for v in value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
 
 
 def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits):
@@ -580,6 +599,7 @@ def validate_body(model_class: type[BaseModel], body: Any, limits: ServingLimits
         raise InvalidRequestError(f"request field names are strings, got {shown(odd[0])}", param="body",
                                   code="invalid_value")
     check_shape(body, limits)
+    body = json_like(body)
     model_adapter(body.get("model"), limits)  # 404 before any 400: the model is checked first
     try:
         request = model_class.model_validate(body, context={"limits": limits})
