@@ -18,9 +18,12 @@ CASES = 150
                                                (VIDEO_ARGS, "/v1/videos", True)], ids=["images", "edits", "videos"])
 def test_generated_requests_never_break_the_server(deploy, args, route, form):
     url = deploy(args)
-    result = fuzz_route(url, route, CASES, form=form, seed=1, uploads=route.endswith("/edits"))
+    # edits: about 2.5 % of the cases are valid (a valid upload and a valid body); 150 drew none once
+    # the schema gained a field (background), so the route takes twice the cases
+    cases = 2 * CASES if route.endswith("/edits") else CASES
+    result = fuzz_route(url, route, cases, form=form, seed=1, uploads=route.endswith("/edits"))
     # answers slower than bench/fuzz.py's SLOW_S are the bench's goal, not asserted here (no wall-clock asserts)
     broken = {kind: count for kind, count in result["failures"].items() if kind != "slow"}
     assert not broken, (result["failures"], result["examples"])
-    assert sum(result["statuses"].values()) == CASES
+    assert sum(result["statuses"].values()) == cases
     assert result["statuses"].get(400, 0) > 0 and result["statuses"].get(200, 0) > 0  # both kinds were reached

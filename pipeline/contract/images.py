@@ -52,8 +52,9 @@ class ImageGenerationRequest(GenerationRequest):
     true_cfg_scale: float | None = Field(default=None, allow_inf_nan=False)
     stream: bool = False
     partial_images: int | None = None
-    # OpenAI's; every image is opaque, as each answer says (helper-70: "opaque" was refused)
-    background: str | None = None
+    # OpenAI's; every image is opaque, as each answer says (helper-70: "opaque" was refused). The
+    # enum is for the published schema (/openapi.json: clients and bench/fuzz.py draw from it)
+    background: str | None = Field(default=None, json_schema_extra={"enum": ["auto", "opaque", None]})
 
     @field_validator("size", mode="before")
     @classmethod
