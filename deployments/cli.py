@@ -564,7 +564,7 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
     application (a route prefix in use), ``args`` or ``deployments`` are bad (checked before any
     cluster starts) or the application fails to deploy (a replica's constructor raised: the
     exception's line). ``on_wait(line)``, if given, is called with each new status message Serve
-    gives a deployment still starting after :data:`DEPLOY_QUIET_S` seconds (replicas waiting for
+    gives a deployment still starting after :func:`deploy_quiet_s` seconds (replicas waiting for
     resources the cluster lacks: the deploy waits for them, as Serve does)."""
     import ray
     from ray import serve
@@ -639,12 +639,23 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         raise
 
 
-DEPLOY_QUIET_S = 30.0  # a deploy still running after this long shows Serve's status messages
+def deploy_quiet_s() -> float:
+    """Seconds a deploy runs before its status messages are shown: when Serve gives its first
+    slow-start message (a replica waiting for resources or still initialising), the larger of
+    its ``RAY_SERVE_SLOW_STARTUP_WARNING_S`` and ``RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S``
+    (each else ``SERVE_...``; 30 s by default: ``ray.serve._private.deployment_state``), read
+    from this process's environment, which a cluster started here passes to Serve's controller.
+    Raises ``ValueError`` for a value that is not a number."""
+
+    def serve_s(name: str) -> float:
+        return float(os.environ.get(f"RAY_{name}", os.environ.get(name, 30)))
+
+    return max(serve_s("SERVE_SLOW_STARTUP_WARNING_S"), serve_s("SERVE_SLOW_STARTUP_WARNING_PERIOD_S"))
 
 
 class _DeployWatch:
     """While ``serve.run`` waits for application ``name``, a thread reads ``serve.status()``
-    every few seconds once :data:`DEPLOY_QUIET_S` have passed and calls ``on_wait`` with each
+    every few seconds once :func:`deploy_quiet_s` have passed and calls ``on_wait`` with each
     new message of a deployment not yet healthy (e.g. Serve's "has 1 replicas that have taken
     more than 30s to be scheduled ... Resources required for each replica: ..."): a deploy
     waiting for resources printed nothing."""
@@ -659,7 +670,7 @@ class _DeployWatch:
         from ray import serve
 
         said = set()
-        if self.done.wait(DEPLOY_QUIET_S):
+        if self.done.wait(deploy_quiet_s()):
             return
         while not self.done.is_set():
             try:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import APIConnectionError, APITimeoutError
 
-from deployments.cli import CannotStart, _transport_modules, failure_line, main
+from deployments.cli import CannotStart, _transport_modules, deploy_quiet_s, failure_line, main
 from parallel.groups import free_port
 from tests.helpers import wait_until
 
@@ -1276,8 +1276,11 @@ def test_serve_says_what_a_pending_deploy_waits_for_and_stops_on_sigterm(tmp_pat
 
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(_tiny_cpu_config(too_big)))
+    # Serve says a replica waits for resources after 30 s, and the command prints nothing before
+    # Serve would: 5 s here (the cluster it starts takes its environment)
+    quick = {f"RAY_SERVE_SLOW_STARTUP_WARNING_{name}": "5" for name in ("S", "PERIOD_S")}
     proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--config", str(path), "--port",
-                             str(free_port("127.0.0.1"))], env=_serve_env(), stdout=subprocess.PIPE,
+                             str(free_port("127.0.0.1"))], env=_serve_env(**quick), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, waiting = [], threading.Event()
 
@@ -1297,6 +1300,21 @@ def test_serve_says_what_a_pending_deploy_waits_for_and_stops_on_sigterm(tmp_pat
         assert lines[-1] == "interrupted while starting\n" and "Traceback" not in "".join(lines), "".join(lines)[-3000:]
     finally:
         proc.kill()
+
+
+def test_a_deploy_is_quiet_as_long_as_serve_is(monkeypatch):
+    """Status messages are shown once Serve gives its first slow-start message: after the larger
+    of its warning time and warning period, each read as Serve reads it (``RAY_SERVE_...`` over
+    ``SERVE_...``, 30 s by default)."""
+    for name in ("SERVE_SLOW_STARTUP_WARNING_S", "SERVE_SLOW_STARTUP_WARNING_PERIOD_S"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(f"RAY_{name}", raising=False)
+    assert deploy_quiet_s() == 30.0
+    monkeypatch.setenv("SERVE_SLOW_STARTUP_WARNING_S", "12")
+    monkeypatch.setenv("SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "4")
+    assert deploy_quiet_s() == 12.0
+    monkeypatch.setenv("RAY_SERVE_SLOW_STARTUP_WARNING_S", "3")
+    assert deploy_quiet_s() == 4.0
 
 
 def test_the_video_bar_is_drawn_with_the_job_status(tmp_path, capsys, monkeypatch):
