@@ -28,6 +28,7 @@ from deployments.http import (AdmissionHeader, BearerAuth, CrossSiteGuard, api_k
                               caller_scope, idempotency_scope, install_error_handlers, json_body, json_or_form_body,
                               key_default_priority, query_params, request_body, request_fingerprint, single_header)
 from deployments.serve_logs import answers_are_not_failures
+from pipeline.contract.base import EDIT_FILES, VIDEO_FILES
 from pipeline.contract.edits import ImageEditRequest, validate_edit_request
 from pipeline.contract.images import ImageData, ImageGenerationRequest, ImageGenerationResponse, validate_image_request
 from pipeline.contract.limits import ServingLimits
@@ -64,9 +65,7 @@ PLAYGROUND = Path(__file__).resolve().parent / "playground.html"  # GET /: stati
 PLAYGROUND_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
                   "img-src data: blob:; media-src blob:; connect-src 'self' blob:; base-uri 'none'; "
                   "form-action 'none'; frame-ancestors 'none'")
-EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads
-EDIT_FILE_LISTS = ("image",)  # of those, the one that may repeat (image[], or image given twice)
-VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
+EDIT_FILE_LISTS = ("image",)  # of EDIT_FILES, the one that may repeat (image[], or image given twice)
 
 
 def named_admission_limit(max_queued_requests: int, max_batch_size: int, replicas: int,

@@ -29,7 +29,9 @@ from pipeline.modes import DualMode, GuidanceMode, Priority
 MAX_BODY_DEPTH = 6        # the deepest legitimate body: cache_dit_params.secondary.<knob> (3 levels)
 MAX_ERRORS_LISTED = 8     # problems listed in one message, then "and N more"
 MAX_SHORT_TEXT = 256      # ``user``, ``model`` and other short strings
-FILE_FIELDS = frozenset({"image", "mask", "input_reference"})  # file bytes (edits' and image-to-video's)
+EDIT_FILES = ("image", "mask")  # OpenAI's images.edit uploads
+VIDEO_FILES = ("input_reference",)  # OpenAI's videos.create upload
+FILE_FIELDS = frozenset(EDIT_FILES + VIDEO_FILES)  # file bytes (multipart uploads; through a handle, bytes)
 
 
 def limits_of(info: ValidationInfo) -> ServingLimits | None:
