@@ -104,8 +104,10 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
         router_config = RequestRouterConfig(request_router_class=ReplicaSetWatcher,
                                             request_routing_stats_period_s=batching.routing_stats_period_s)
     grace = config.replica.graceful_shutdown_timeout_s
+    wait_loop = config.replica.graceful_shutdown_wait_loop_s
     replica = {"ray_actor_options": config.replica.ray_actor_options, "request_router_config": router_config,
-               "graceful_shutdown_timeout_s": grace, "health_check_period_s": config.replica.health_check_period_s,
+               "graceful_shutdown_timeout_s": grace, "graceful_shutdown_wait_loop_s": wait_loop,
+               "health_check_period_s": config.replica.health_check_period_s,
                "health_check_timeout_s": config.replica.health_check_timeout_s}
     if config.replica.max_constructor_retry_count is not None:
         replica["max_constructor_retry_count"] = config.replica.max_constructor_retry_count
@@ -133,10 +135,12 @@ def deployment_options(config: AppConfig) -> dict[str, dict]:
     light = {"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONMALLOC": "malloc"}}}
     return {"DiTReplica": replica,
             "Router": {"user_config": batching.model_dump(), "graceful_shutdown_timeout_s": grace + SHUTDOWN_STEP_S,
+                       "graceful_shutdown_wait_loop_s": wait_loop,
                        "ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S},
             "Ingress": {"ray_actor_options": light, "health_check_period_s": ROUTING_HEALTH_CHECK_PERIOD_S,
                         "user_config": {"acceleration": config.acceleration.model_dump(), "loras": loras},
                         "graceful_shutdown_timeout_s": grace + 2 * SHUTDOWN_STEP_S,
+                        "graceful_shutdown_wait_loop_s": wait_loop,
                         **ingress_slots(admission_limit(config)),
                         "backpressure_config": {"status_code": 429, "retry_after_s": 1}}}
 

@@ -460,6 +460,11 @@ class ReplicaConfig(_Strict):
     (``STRICT_PACK``). ``graceful_shutdown_timeout_s``: how long a running batch may take to
     finish when a replica stops (seconds; Serve's option). The Router and the Ingress stop 5 and
     10 seconds later, so the Ingress answers the requests still queued (503).
+    ``graceful_shutdown_wait_loop_s``: Serve's option, for all three deployments: a stopping
+    replica waits this long for requests sent to it just before to arrive, then checks for
+    ongoing ones this often until none is left (seconds; Serve's default, 2 s, is the floor of an
+    idle replica's stop: a redeploy or a scale-down takes that much longer). A batch sent to a
+    replica that has already stopped is requeued by the Router (``MAX_REQUEUES``).
     ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health checks of a replica
     (seconds); a replica that breaks exits, and Serve replaces it at the next check.
     ``max_constructor_retry_count``: Serve's option: failed replica starts (a checkpoint that
@@ -484,6 +489,7 @@ class ReplicaConfig(_Strict):
     torch_threads: int | None = Field(default=None, ge=1, le=1024)
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1})
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
+    graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0, le=60)
     health_check_period_s: float = Field(default=2.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
     max_constructor_retry_count: int | None = Field(default=None, ge=1)

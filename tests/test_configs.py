@@ -110,6 +110,21 @@ def test_the_routing_deployments_are_health_checked_every_two_seconds_unless_a_f
     assert ingress._deployment_config.health_check_period_s == 7.0
 
 
+def test_the_shutdown_wait_loop_is_serves_unless_the_replica_section_sets_it():
+    """``replica.graceful_shutdown_wait_loop_s`` reaches all three deployments (Serve's 2 s by
+    default: every stop of an idle replica waits it out once; the suite's deploys use 0.5 s)."""
+    from deployments.app import bind_app
+
+    def loops(args: dict) -> set[float]:
+        ingress = bind_app(args)._bound_deployment
+        router = ingress.init_args[0]._bound_deployment
+        replica = router.init_args[0]._bound_deployment
+        return {d._deployment_config.graceful_shutdown_wait_loop_s for d in (ingress, router, replica)}
+
+    assert loops({}) == {2.0}
+    assert loops({"replica": {"graceful_shutdown_wait_loop_s": 0.25}}) == {0.25}
+
+
 def test_a_default_no_request_may_give_fails_the_replicas_start():
     """A default off the model's grid ran for every request that left the field out, while a
     request giving it was a 400 (helper-32's review: ``default_size: 60x64`` made 60x64 images):
@@ -162,6 +177,8 @@ def test_the_embedded_names_a_config_may_give_without_a_path_are_the_registrys()
                                                     "or equal to 100"),
     ({"limits": {"max_n": 100_000}}, "args.limits.max_n: Input should be less than or equal to 1024"),
     ({"replica": {"torch_threads": 100_000}}, "args.replica.torch_threads: Input should be less than or equal to 1024"),
+    ({"replica": {"graceful_shutdown_wait_loop_s": 1e9}},
+     "args.replica.graceful_shutdown_wait_loop_s: Input should be less than or equal to 60"),
     ({"replica": {"autoscaling": {"metrics_interval_s": 1e-9, "look_back_period_s": 1}}},
      "args.replica.autoscaling.metrics_interval_s: Input should be greater than or equal to 0.1"),
 ])
