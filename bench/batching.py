@@ -37,7 +37,8 @@ def app_args(max_batch_size: int, replicas: int, threads: int, affinity: bool = 
                         "torch_threads": threads},
             "batching": {"max_batch_size": max_batch_size, "max_wait_ms": 10, "affinity": affinity,
                          "affinity_switch_cost_ms": switch_cost_ms, "max_affinity_wait_ms": 2000,
-                         "routing_stats_period_s": 0.5}}
+                         "routing_stats_period_s": 0.5},
+            "limits": {"max_n": min(4, max_batch_size)}}  # a request's n images run in one batch
 
 
 def burst(client: httpx.Client, url: str, bodies: list[dict], concurrency: int,

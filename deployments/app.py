@@ -257,7 +257,8 @@ def check_entry_user_config(name: str, user_config, config: AppConfig) -> None:
         raise ValueError(f"deployments: {name}'s {exc}") from None
     try:
         if name == "Router":
-            batching_update(config.batching.model_dump(), user_config)
+            batching_update(config.batching.model_dump(), user_config, config.limits.model_dump(),
+                            config.model.known_video())
         elif name == "Ingress":
             ingress_update(user_config, config.acceleration.model_dump(), config.model.device, config.model.dtype,
                            config.parallel.ring_degree, config.limits.default_steps)
@@ -364,9 +365,11 @@ def bind_app(args: dict | AppConfig | None = None, deployments: list[dict] | Non
                                                      "warmup")}
     replica = DiTReplica.options(**options["DiTReplica"]).bind(
         config.model.model_dump(), config.replica.torch_threads, acceleration, config.limits.model_dump(),
-        config.parallel.model_dump(), config.replica.rank_resources, config.replica.cpu_nice)
+        config.parallel.model_dump(), config.replica.rank_resources, config.replica.cpu_nice,
+        config.batching.model_dump())
     router = Router.options(**options["Router"]).bind(replica, initial_replicas, config.videos.model_dump(),
-                                                      config.replica.routing_nice, config.batching.model_dump())
+                                                      config.replica.routing_nice, config.batching.model_dump(),
+                                                      config.limits.model_dump(), config.model.known_video())
     ingress_config = {**config.model_dump(exclude={"acceleration", "batching", "videos"}),
                       # args' request defaults: what an acceleration user_config leaves out keeps
                       "acceleration": config.acceleration.model_dump(),

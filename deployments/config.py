@@ -20,7 +20,7 @@ from pipeline.contract.limits import ENCODER_MAX_SIDE, MAX_GUIDANCE_SCALE, parse
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
 from pipeline.modes import offload_problems
-from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_NAMES
+from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_NAMES, EMBEDDED_VIDEO_NAMES
 
 # Where the embedded tiny-flux adapters live (pipeline.tiny.lora; a path of null names one).
 EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
@@ -139,6 +139,11 @@ class ModelConfig(_Strict):
         if self.dual_transformer is not None:
             return self.dual_transformer
         return EMBEDDED_DUAL_MODES.get(self.name, "single") if self.path is None else None
+
+    def known_video(self) -> bool | None:
+        """Whether the model makes videos, where the config alone tells (an embedded model); None
+        for a checkpoint's (read where the replica loads it)."""
+        return self.name in EMBEDDED_VIDEO_NAMES if self.path is None else None
 
     def lora_registry(self) -> dict[str, LoraEntry]:
         """Adapter name -> ``LoraEntry`` (paths resolved; what requests are resolved against)."""
@@ -712,6 +717,18 @@ class AppConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _batches_fit(self):
+        """The batching knobs must run what the limits admit (:func:`batch_fit_problems`), as far
+        as the config tells the model: ``max_n`` for an embedded image model, the default
+        request's frames for an embedded video model; a checkpoint's (and a reference-editing
+        model's input image) are checked where the replica loads it
+        (``deployments.replica.check_defaults``). Raises ``ValueError``."""
+        problems = batch_fit_problems(self.batching.model_dump(), self.limits.model_dump(), self.model.known_video())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _default_knobs(self):
         problem = default_knobs_problem(self.acceleration, self.limits.default_steps)
         if problem:
@@ -730,13 +747,52 @@ class AppConfig(_Strict):
         return self
 
 
-def batching_update(args_batching: dict, knobs: dict | None) -> "BatchingConfig":
+def default_request_cost(limits: dict, video: bool, reference: bool = False) -> float:
+    """``batching.max_batch_cost``'s units (pixels × frames × n, input images included, as
+    ``deployments.router.request_cost`` counts them) of the request that gives a prompt alone:
+    ``limits.default_size``'s pixels × ``limits.default_num_frames`` for a ``video`` model (1 frame
+    for an image model) × 2 for a model that only edits by ``reference`` (its smallest request
+    gives one image of the default size, whose tokens join the sequence). ``limits``:
+    ``LimitsConfig.model_dump()``."""
+    width, height = parse_size(limits["default_size"])
+    return float(width * height * (limits["default_num_frames"] if video else 1) * (2 if reference else 1))
+
+
+def batch_fit_problems(batching: dict, limits: dict, video: bool | None, reference: bool = False,
+                       n: bool = True) -> list[str]:
+    """Why requests the server admits could never run under the batching knobs ``batching``
+    (``BatchingConfig.model_dump()``; ``limits``: ``LimitsConfig.model_dump()``): the request
+    giving a prompt alone costing more than ``max_batch_cost`` (:func:`default_request_cost` with
+    ``video`` and ``reference``: every request leaving size out answered 400), and with ``n`` an
+    image model's ``max_n`` (``video`` False; a video model makes one video per request, and
+    None, not known, checks no n) past ``max_batch_size`` (a request's n images run in one batch:
+    the Router answers a larger n 400). Empty when they fit. helper-76: both passed ``--check``
+    and the deploy, and the server answered every request 400."""
+    problems = []
+    if n and video is False and limits["max_n"] > batching["max_batch_size"]:
+        problems.append(f"limits.max_n {limits['max_n']} > batching.max_batch_size {batching['max_batch_size']}: "
+                        "a request's n images run in one batch, so a request with n past it would be refused; "
+                        "lower max_n or raise max_batch_size")
+    cost, default_cost = batching.get("max_batch_cost"), default_request_cost(limits, bool(video), reference)
+    if cost is not None and cost < default_cost:
+        problems.append(f"batching.max_batch_cost {cost:g} < {default_cost:g}, the pixels x frames x n of a request "
+                        "giving a prompt alone (limits.default_size, and default_num_frames for a video model): "
+                        "every request leaving size out would be refused; raise max_batch_cost or lower the defaults")
+    return problems
+
+
+def batching_update(args_batching: dict, knobs: dict | None, limits: dict | None = None, video: bool | None = None,
+                    reference: bool = False) -> "BatchingConfig":
     """The Router's batching knobs after a ``user_config`` update ``knobs``: a knob it leaves
     out keeps ``args``' value (``args_batching``, ``BatchingConfig.model_dump()``). Raises
     pydantic's ``ValidationError`` naming the knob, and ``ValueError`` for a knob only the
     application's start reads: ``routing_stats_period_s`` (DiTReplica's request router's, built
     once) and ``affinity: true`` where ``args`` turned it off (the request router chosen then
-    tells the Router no replica's state). helper-64: both showed in ``/v1/stats`` as in force."""
+    tells the Router no replica's state). helper-64: both showed in ``/v1/stats`` as in force.
+    With ``limits``, also ``ValueError`` for a ``max_batch_cost`` under which a request giving a
+    prompt alone could not run (:func:`batch_fit_problems` with ``video`` and ``reference``); a
+    ``max_batch_size`` lowered under ``limits.max_n`` stays a live option (a request with a larger
+    ``n`` is answered 400 naming it), where ``args`` giving both is refused (``AppConfig``)."""
     new = BatchingConfig.model_validate({**args_batching, **(knobs or {})})  # as read: "true" is True (helper-65)
     if new.routing_stats_period_s != args_batching["routing_stats_period_s"]:
         raise ValueError(f"routing_stats_period_s: DiTReplica's request router reads it at the application's start "
@@ -744,6 +800,9 @@ def batching_update(args_batching: dict, knobs: dict | None) -> "BatchingConfig"
     if new.affinity and not args_batching["affinity"]:
         raise ValueError("affinity: args.batching.affinity is false, so DiTReplica's request router reports no "
                          "replica's state, which affinity needs: change args.batching, not a user_config")
+    problems = batch_fit_problems(new.model_dump(), limits, video, reference, n=False) if limits is not None else []
+    if problems:
+        raise ValueError("; ".join(problems))
     return new
 
 

@@ -26,6 +26,7 @@ from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import BatchCancelled, InvalidRequestError, ReplicaUnavailableError, dropped_rows
+from pipeline.modes import InputMode
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
@@ -109,12 +110,14 @@ def _default_params(model_name: str, acceleration: dict, limits: dict, facts: Mo
     return resolve(ImageGenerationRequest(prompt="warmup", seed=0), serving, defaults, request_id="warmup")
 
 
-def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
+def check_defaults(model_name: str, limits: dict, facts: ModelFacts, batching: dict | None = None) -> None:
     """Raise ``ValueError`` naming ``limits.<field>`` when a request giving the server's defaults
     (``default_size``, ``default_steps``, a video's ``default_num_frames``) would be refused: a
     default off the model's grid (``60x64`` where sizes are multiples of 8), or past a limit,
-    ran for every request that left the field out."""
-    from deployments.config import LimitsConfig
+    ran for every request that left the field out. With ``batching`` (``args.batching``), also
+    when the Router could batch no such request, or none with ``max_n`` images
+    (``deployments.config.batch_fit_problems``, with the model's own frames and input image)."""
+    from deployments.config import LimitsConfig, batch_fit_problems
     from pipeline.contract.edits import validate_edit_request
     from pipeline.contract.images import validate_image_request
     from pipeline.contract.videos import validate_video_request
@@ -133,6 +136,11 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts) -> None:
     except InvalidRequestError as exc:
         raise ValueError(f"limits.{field.get(exc.param, exc.param)}: the default is a value no request may give "
                          f"to model {model_name!r}: {exc.message}") from None
+    if batching is not None:
+        reference = facts.requires_image and InputMode.REFERENCE in facts.input_modes
+        problems = batch_fit_problems(batching, config.model_dump(), facts.temporal_factor > 0, reference)
+        if problems:
+            raise ValueError(f"{'; '.join(problems)} (model {model_name!r})")
 
 
 def log_to_serve() -> None:
@@ -165,7 +173,7 @@ class DiTReplica:
 
     def __init__(self, model: dict, torch_threads: int | None = None, acceleration: dict | None = None,
                  limits: dict | None = None, parallel: dict | None = None, rank_resources: dict | None = None,
-                 cpu_nice: int = 0):
+                 cpu_nice: int = 0, batching: dict | None = None):
         os.nice(cpu_nice)  # compute yields the CPU to the serving path (replica.cpu_nice)
         log_to_serve()
         answers_are_not_failures()  # a refused batch (503 to the Router, which requeues it) is one line
@@ -193,7 +201,7 @@ class DiTReplica:
         if self._ranks is not None:
             self._ranks.join(self._runner, self._compute)
         self._parameter_bytes = self._ranks.parameter_bytes if self._ranks else [self._runner.parameter_bytes()]
-        check_defaults(model["name"], limits or {}, self._runner.facts())
+        check_defaults(model["name"], limits or {}, self._runner.facts(), batching)
         if acceleration.get("torch_compile") or acceleration.get("warmup"):
             # Mounts Cache-DiT (when it is the default) before torch.compile traces the model.
             head = default_params(model["name"], acceleration, limits or {}, self._runner.facts())

@@ -108,7 +108,7 @@ class Router:
     """
 
     def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0,
-                 batching: dict | None = None):
+                 batching: dict | None = None, limits: dict | None = None, video: bool | None = None):
         asked = compat.most_replicas()
         if asked != 1:
             raise ValueError(f"the Router runs as one replica (it holds the queues and the video jobs); its "
@@ -124,7 +124,10 @@ class Router:
         self._video_previews = int(videos.pop("previews", 0))  # preview frames a running job decodes
         self._jobs = VideoJobs(JobStore(**videos), self._wait)
         self._args_batching = dict(batching or {})  # args' knobs: what a user_config leaves out keeps
-        self.reconfigure_batching(batching_update(self._args_batching, None).model_dump())
+        self._limits = limits  # args' limits: what the knobs must be able to batch (None: not checked)
+        self._known_video = video  # whether the model makes videos, where the config tells (None: not known)
+        self._facts: ModelFacts | None = None
+        self.reconfigure_batching(self._batching_update(None).model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._queued_by_priority = Tally()  # queued requests per priority (the queue-depth gauge)
@@ -147,7 +150,6 @@ class Router:
         self._wakeup = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # _expire_callers: leases, the status watch, the queue-depth gauge
-        self._facts: ModelFacts | None = None
         self._batch_ids = itertools.count()
         self._counters = Tally()
         self._live = LiveUpdates("Router")
@@ -193,9 +195,19 @@ class Router:
         ``args`` said 2). Knobs that fail ``BatchingConfig`` are refused, those in force stay
         (``deployments.live_config``; at start they raise ``ValidationError``)."""
         def apply(knobs: dict) -> None:
-            self.reconfigure_batching(batching_update(self._args_batching, knobs).model_dump())
+            self.reconfigure_batching(self._batching_update(knobs).model_dump())
             self._wakeup.set()
         await self._live.apply(batching, apply)
+
+    def _batching_update(self, knobs: dict | None):
+        """``deployments.config.batching_update`` over args' knobs, refusing a ``max_batch_cost``
+        under which the request giving a prompt alone could not run: its frames and input image
+        counted as the model's facts say once a replica told them, as the config says before (a
+        checkpoint's: one frame)."""
+        facts = self._facts
+        video = facts.temporal_factor > 0 if facts is not None else self._known_video
+        reference = facts is not None and facts.requires_image and InputMode.REFERENCE in facts.input_modes
+        return batching_update(self._args_batching, knobs, self._limits, video, reference)
 
     def check_health(self) -> None:
         """Serve's health check (also run once the start's ``reconfigure`` is done): from then on

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # keeps the second replica for the rest of the test (downscale_delay_s: 600).
 AUTOSCALE_ARGS = {
     "batching": {"max_batch_size": 1, "max_wait_ms": 0},
+    "limits": {"max_n": 1},
     "replica": {"ray_actor_options": {"num_cpus": 1}, "torch_threads": 1,
                 "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queued_per_replica": 2,
                                 "upscale_delay_s": 0, "downscale_delay_s": 600, "look_back_period_s": 2,

@@ -1068,7 +1068,7 @@ def test_check_checks_every_ditserve_application_and_serve_refuses_several(tmp_p
     path.write_text(yaml.safe_dump(dotted))
     assert main(["serve", "--config", str(path), "--check"]) == 1
     assert "application 'second': bad application args" in capsys.readouterr().err
-    path.write_text(yaml.safe_dump(_two_apps({"batching": {"max_batch_size": 2}})))
+    path.write_text(yaml.safe_dump(_two_apps({"batching": {"max_batch_size": 2}, "limits": {"max_n": 2}})))
     assert main(["serve", "--config", str(path), "--check"]) == 0
     assert "applications 'ditserve', 'second' pass ditserve's checks" in capsys.readouterr().out
     assert main(["serve", "--config", str(path)]) == 1

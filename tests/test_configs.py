@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.cli import load_serve_config
-from deployments.config import AppConfig
+from deployments.config import AppConfig, BatchingConfig, LimitsConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -144,15 +144,95 @@ def test_a_default_no_request_may_give_fails_the_replicas_start():
     check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 4}, edit)
     with pytest.raises(ValueError, match=r"^limits\.default_steps: .*between 2 and"):
         check_defaults("tiny-qwen-image-edit", {"default_size": "32x32", "default_steps": 1}, edit)
+    # the batching knobs must run the request giving a prompt alone, counted as the Router counts
+    # it (a video's frames, a reference edit's input image), and an image model's max_n images
+    # (helper-76: max_batch_cost 10 deployed, and every request was a 400)
+    knobs = BatchingConfig().model_dump()
+    for name, facts, limits, cost in [("tiny-flux", image, {}, 64 * 64), ("tiny-wan", video, {}, 64 * 64 * 9),
+                                      ("tiny-qwen-image-edit", edit, {"default_size": "32x32", "default_steps": 4},
+                                       32 * 32 * 2)]:
+        limits = LimitsConfig.model_validate(limits).model_dump()
+        assert _cost_of_defaults(name, limits, facts) == cost
+        check_defaults(name, limits, facts, {**knobs, "max_batch_cost": cost})
+        with pytest.raises(ValueError, match=rf"^batching\.max_batch_cost {cost - 1} < {cost}, .*\(model '{name}'\)"):
+            check_defaults(name, limits, facts, {**knobs, "max_batch_cost": cost - 1})
+    with pytest.raises(ValueError, match=r"^limits\.max_n 4 > batching\.max_batch_size 2: "):
+        check_defaults("tiny-flux", {}, image, {**knobs, "max_batch_size": 2})
+    check_defaults("tiny-flux", {"max_n": 2}, image, {**knobs, "max_batch_size": 2})
+    check_defaults("tiny-wan", {}, video, {**knobs, "max_batch_size": 1})  # one video per request: no n
+
+
+def _cost_of_defaults(name: str, limits: dict, facts) -> float:
+    """What the Router's ``request_cost`` counts for the request giving a prompt alone (an edit
+    of an image of the default size for a model that only edits)."""
+    from deployments.replica import grey_png
+    from deployments.router import request_cost
+    from pipeline.contract.edits import validate_edit_request
+    from pipeline.contract.images import validate_image_request
+    from pipeline.contract.videos import validate_video_request
+    from pipeline.sampling import resolve, resolve_edit, resolve_video
+
+    serving = facts.limits(name, limits)
+    if facts.temporal_factor:
+        return request_cost(resolve_video(validate_video_request({"prompt": "p"}, serving), serving))
+    if facts.requires_image:
+        body = {"prompt": "p", "image": grey_png(serving.default_width, serving.default_height)}
+        return request_cost(resolve_edit(validate_edit_request(body, serving), serving))
+    return request_cost(resolve(validate_image_request({"prompt": "p"}, serving), serving))
+
+
+@pytest.mark.parametrize("args, said", [
+    ({"batching": {"max_batch_size": 2}}, "limits.max_n 4 > batching.max_batch_size 2: a request's n images run in "
+                                          "one batch"),
+    ({"batching": {"max_batch_cost": 10}}, "batching.max_batch_cost 10 < 4096, the pixels x frames x n of a request "
+                                           "giving a prompt alone"),
+    ({"model": {"name": "tiny-wan"}, "batching": {"max_batch_cost": 4096}}, "batching.max_batch_cost 4096 < 36864"),
+    ({"model": {"name": "tiny-wan"}, "batching": {"max_batch_cost": 4096}, "limits": {"default_num_frames": 1}},
+     None),
+    ({"model": {"name": "tiny-wan"}, "batching": {"max_batch_size": 1}}, None),  # one video per request: no n
+    ({"model": {"name": "flux", "path": "/models/flux"}, "batching": {"max_batch_size": 1}}, None),  # at its start
+    ({"batching": {"max_batch_size": 2}, "limits": {"max_n": 2}}, None),
+])
+def test_batching_knobs_that_could_not_batch_what_the_limits_admit_are_refused(args, said):
+    """helper-76: ``max_batch_cost`` under a request giving a prompt alone, and ``max_n`` past
+    ``max_batch_size``, passed ``--check`` and the deploy; the server answered 400 to every request
+    (or to every n it advertised past the batch). Checked as far as the config tells the model
+    (an embedded one); a checkpoint's where its replica starts (above)."""
+    if said is None:
+        AppConfig.model_validate(args)
+        return
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(args)
+    assert said in str(info.value), str(info.value)
+
+
+def test_a_live_max_batch_cost_under_the_default_request_is_refused_and_a_smaller_batch_is_not():
+    """A Router ``user_config`` (live, or a file's ``deployments`` entry) is checked against the
+    limits too: a ``max_batch_cost`` no default request fits is refused; a ``max_batch_size``
+    lowered under ``max_n`` stays an operator's live option (larger n answered 400 naming it)."""
+    from deployments.config import batching_update, default_request_cost
+
+    args, limits = BatchingConfig().model_dump(), LimitsConfig().model_dump()
+    assert default_request_cost(limits, video=False) == 4096 and default_request_cost(limits, video=True) == 4096 * 9
+    assert default_request_cost(limits, video=False, reference=True) == 8192
+    with pytest.raises(ValueError, match=r"^batching\.max_batch_cost 4095 < 4096"):
+        batching_update(args, {"max_batch_cost": 4095}, limits, video=False)
+    with pytest.raises(ValueError, match=r"^batching\.max_batch_cost 8191 < 8192"):
+        batching_update(args, {"max_batch_cost": 8191}, limits, video=None, reference=True)
+    assert batching_update(args, {"max_batch_cost": 4096}, limits, video=False).max_batch_cost == 4096
+    assert batching_update(args, {"max_batch_size": 1}, limits, video=False).max_batch_size == 1
+    assert batching_update(args, {"max_batch_cost": 1}).max_batch_cost == 1  # no limits given: not checked
 
 
 def test_the_embedded_names_a_config_may_give_without_a_path_are_the_registrys():
     """``model.name`` without ``model.path`` must be an embedded model; the config checks it
-    against a torch-free list (``pipeline.tiny.names``), which must be the registry's."""
-    from pipeline.tiny.names import EMBEDDED_NAMES
+    against a torch-free list (``pipeline.tiny.names``), which must be the registry's, as must its
+    video models (the ``wan`` family's: ``WanFamily`` is the one with a temporal factor)."""
+    from pipeline.tiny.names import EMBEDDED_NAMES, EMBEDDED_VIDEO_NAMES
     from pipeline.tiny.registry import EMBEDDED
 
     assert sorted(EMBEDDED_NAMES) == sorted(EMBEDDED)
+    assert sorted(EMBEDDED_VIDEO_NAMES) == sorted(name for name, model in EMBEDDED.items() if model.family == "wan")
 
 
 @pytest.mark.parametrize("args, said", [

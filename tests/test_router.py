@@ -96,7 +96,8 @@ def test_a_lone_request_on_an_idle_replica_does_not_wait_for_company(deploy):
     once (it would otherwise time out at its 60 s deadline); a request that comes while a
     batch runs still waits for company (here: the full batch its followers make)."""
     lazy = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
-            "batching": {**TWO_REPLICAS["batching"], "max_wait_ms": 600_000, "max_batch_size": 3}}
+            "batching": {**TWO_REPLICAS["batching"], "max_wait_ms": 600_000, "max_batch_size": 3},
+            "limits": {**TWO_REPLICAS["limits"], "max_n": 3}}
     url = deploy(lazy, fresh=True)
     alone = post(url, {"prompt": "alone", "seed": 1, "timeout_s": 60, **FAST})
     assert alone.status_code == 200 and alone.json()["ditserve"]["batch_size"] == 1
@@ -135,7 +136,8 @@ def test_interactive_work_goes_first_and_batch_work_has_a_starvation_bound(ray_c
     replica from interactive work still gathering company (a long ``max_wait_ms``: both queues
     wait past the running batch's end, the batch one, queued first, is ready first)."""
     one = {**TWO_REPLICAS, "replica": {**TWO_REPLICAS["replica"], "num_replicas": 1},
-           "batching": {**TWO_REPLICAS["batching"], "max_batch_size": 1}}
+           "batching": {**TWO_REPLICAS["batching"], "max_batch_size": 1},
+           "limits": {**TWO_REPLICAS["limits"], "max_n": 1}}
     other = {**FAST, "num_inference_steps": 3}  # another signature
     bodies = {"b1": {"prompt": "b1", "seed": 1, "priority": "batch", **FAST},
               "b2": {"prompt": "b2", "seed": 2, "priority": "batch", **FAST},
@@ -537,6 +539,18 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         gated = lambda: post(url, {"prompt": "gated", "seed": 1, **FAST}).json()["ditserve"]  # noqa: E731
         wait_until(lambda: gated()["acceleration"]["attention_backend"] == "torch_sdpa", timeout=60)
         assert gated()["acceleration"]["cfg_gate"]["gate_step"] == 0.5  # args' default, kept
+        # a max_batch_cost no request giving a prompt alone fits (64x64: 4096) is refused, the knobs
+        # in force kept (helper-76: it answered every such request 400)
+        _deploy_config(one, {"max_wait_ms": 15, "max_batch_cost": 4095},
+                       ({"name": "Ingress", "max_ongoing_requests": 80 + 4,
+                         "user_config": {"acceleration": {"attention_backend": "torch_sdpa"}}},
+                        {"name": "DiTReplica", "num_replicas": 2}))
+        refused = lambda: serve.get_app_handle("ditserve").stats.remote().result()["router"][  # noqa: E731
+            "live_update_refused"]
+        wait_until(lambda: refused() is not None, timeout=60)
+        assert "batching.max_batch_cost 4095 < 4096" in refused()["error"], refused()
+        assert stats(url)["batching"]["max_batch_cost"] is None
+        assert post(url, {"prompt": "fits", "seed": 1, **FAST}).status_code == 200
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 

@@ -7,3 +7,5 @@ EMBEDDED_NAMES = ("tiny-flux", "tiny-flux-random", "tiny-wan", "tiny-wan-moe", "
 # the embedded models with two transformers, by how they run them (pipeline.modes.DualMode; the
 # others have one): what a config may be checked against before any replica loads the model
 EMBEDDED_DUAL_MODES = {"tiny-wan-moe": "boundary", "tiny-wan-paired": "paired"}
+# the embedded video models (the ``wan`` family): a config's video defaults (frames) apply to them
+EMBEDDED_VIDEO_NAMES = ("tiny-wan", "tiny-wan-moe", "tiny-wan-paired", "tiny-wan-i2v")
