@@ -27,7 +27,8 @@ in 14 of 15 runs.
 ``Content-Length``) to the Ingress inside the request's ASGI scope. Serve's proxy otherwise sends
 the scope alone, and the Ingress's first read of the body is a call back to the proxy (a named
 actor lookup, then an RPC: ~2-4 ms of every generation request on the 2-core development machine,
-``bench/overhead.py``); larger bodies (uploads) keep that path.
+``bench/overhead.py``); larger bodies (uploads) keep that path. It reads every body whole before
+the request goes on, and answers one that comes too slowly 408.
 
 Serve loads it in the proxy process from the environment variable
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy:middlewares`` (read when the
@@ -73,9 +74,19 @@ MAX_DEFERRED_GEN1_COLLECTIONS = 1000
 BODY_IN_SCOPE_MAX_BYTES = 64 * 1024
 # The scope key the body travels in (``deployments.http.read_body`` reads it).
 BODY_SCOPE_KEY = "ditserve.body"
-# A client still sending its small body after this long (seconds) is passed on as it is, the rest
-# left to Serve's path, as without this middleware.
-BODY_READ_TIMEOUT_S = 5.0
+# A request body must have arrived BODY_READ_GRACE_S seconds after the request's headers plus
+# one second per MIN_BODY_BYTES_PER_S bytes received: the proxy answers a slower one 408 and never
+# passes it on. helper-75: bodies left unfinished (a Content-Length of 1000, 10 bytes sent) were
+# passed to the Ingress after 5 s, each held one of its slots waiting for the rest, and 280 such
+# connections left the app answering nothing, /health included, for as long as they stayed open.
+BODY_READ_GRACE_S = 10.0
+MIN_BODY_BYTES_PER_S = 4 * 1024
+# Bodies the proxy holds until they have arrived whole (bytes): each one up to BODY_BUFFER_MAX_BYTES
+# (the Ingress's max_body_bytes is 32 MiB by default; a larger declared body goes on at once, and
+# the Ingress answers 413 from its Content-Length alone), all of them together up to
+# BODY_BUFFER_BUDGET_BYTES (past it, a body goes on as far as it has come, the rest through Serve).
+BODY_BUFFER_MAX_BYTES = 64 * 1024 * 1024
+BODY_BUFFER_BUDGET_BYTES = 512 * 1024 * 1024
 
 # status -> (type, code, message) of the envelope the proxy's own errors become (its 404: no app's
 # route_prefix matches the path)
@@ -319,50 +330,87 @@ class IdleFullCollection:
 
 
 class BodyInScope:
-    """ASGI middleware: an HTTP request whose ``Content-Length`` is at most
-    :data:`BODY_IN_SCOPE_MAX_BYTES` has its body read here and sent on in
-    ``scope[BODY_SCOPE_KEY]`` (bytes), so the Ingress need not call back to the proxy for it.
-    The body is replayed to Serve too (its ``receive`` gives the same messages, then the
-    client's disconnect as before). A client that leaves while sending it, or is still sending
-    after :data:`BODY_READ_TIMEOUT_S`, is passed on as received, without the scope's body (the
-    Ingress reads it as Serve's path gives it)."""
+    """ASGI middleware: the proxy reads an HTTP request's body whole before the request goes on,
+    so a client slow to send it holds no slot of the Ingress (Serve gives the Ingress a request
+    at once, and it waited there for the body). A body not arrived :data:`BODY_READ_GRACE_S`
+    after the headers plus a second per :data:`MIN_BODY_BYTES_PER_S` bytes received (a
+    ``Content-Length`` or a chunked one) is answered 408 in OpenAI's envelope (``code``
+    ``body_timeout``) and the connection closed; a client that leaves while sending goes on as
+    received (Serve sees it as it would have). A body of at most :data:`BODY_IN_SCOPE_MAX_BYTES`
+    is also sent on in ``scope[BODY_SCOPE_KEY]`` (bytes), so the Ingress need not call back to the
+    proxy for it. Every body is replayed to Serve (its ``receive`` gives the same messages, then
+    the client's disconnect as before). Bounds: :data:`BODY_BUFFER_MAX_BYTES` per body (a larger
+    ``Content-Length`` goes on at once), :data:`BODY_BUFFER_BUDGET_BYTES` for all held at once."""
 
     def __init__(self, app):
         self.app = app
+        self.held = 0  # bytes of bodies held here now
+        self.timeouts = Counter("ditserve_proxy_body_timeouts", "Requests whose body arrived too slowly, "
+                                "answered 408 by the proxy", tag_keys=())
 
     async def __call__(self, scope, receive, send):
-        declared = dict(scope.get("headers") or ()).get(b"content-length") if scope["type"] == "http" else None
-        if declared is None or not declared.isdigit() or int(declared) > BODY_IN_SCOPE_MAX_BYTES:
-            await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ()) if scope["type"] == "http" else {}
+        declared = headers.get(b"content-length")
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        if scope["type"] != "http" or (declared is None and not chunked) or (
+                declared is not None and (not declared.isdigit() or int(declared) > BODY_BUFFER_MAX_BYTES)):
+            await self.app(scope, receive, send)  # no body, or one Serve's path and the Ingress refuse
             return
-        messages, chunks, complete = [], [], False
+        messages, chunks, received, complete = [], [], 0, False
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         try:
-            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                while not complete:
-                    message = await receive()
-                    messages.append(message)
-                    if message["type"] != "http.request":  # the client left: Serve sees it as it would have
-                        break
-                    chunks.append(message.get("body", b""))
-                    complete = not message.get("more_body", False)
-        except TimeoutError:  # a slow client: the rest of its body comes through Serve's path
-            pass
-        body = b"".join(chunks)
-        if complete and len(body) == int(declared):
-            scope = {**scope, BODY_SCOPE_KEY: body}
+            while not complete:
+                left = start + BODY_READ_GRACE_S + received / MIN_BODY_BYTES_PER_S - loop.time()
+                try:
+                    message = await asyncio.wait_for(receive(), max(left, 0))
+                except TimeoutError:
+                    self.timeouts.inc()
+                    await _answer_body_timeout(send, received)
+                    return
+                messages.append(message)
+                if message["type"] != "http.request":  # the client left: Serve sees it as it would have
+                    break
+                chunks.append(message.get("body", b""))
+                received += len(chunks[-1])
+                self.held += len(chunks[-1])
+                complete = not message.get("more_body", False)
+                if not complete and self.held > BODY_BUFFER_BUDGET_BYTES:
+                    break  # on as far as it has come, the rest through Serve's path
+            if complete and received <= BODY_IN_SCOPE_MAX_BYTES and (declared is None or received == int(declared)):
+                scope = {**scope, BODY_SCOPE_KEY: b"".join(chunks)}
+            chunks.clear()
 
-        async def replay():
-            return messages.pop(0) if messages else await receive()
+            async def replay():
+                return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            self.held -= received
+
+
+async def _answer_body_timeout(send, received: int) -> None:
+    """408 in OpenAI's envelope for a body that came too slowly; the connection is closed (the
+    rest of the body is never read)."""
+    message = (f"the request body did not arrive in time ({received} bytes in): it must arrive within "
+               f"{BODY_READ_GRACE_S:g} s plus 1 s per {MIN_BODY_BYTES_PER_S // 1024} KiB; send it whole at once")
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "body_timeout"}}).encode()
+    await send({"type": "http.response.start", "status": 408,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def middlewares() -> list[Middleware]:
-    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares (the
-    collector outermost, seeing every request; then the envelope, so the gate's own answers and
-    Serve's pass through it; the body is read only for a request the gate lets through)."""
-    return [Middleware(IdleFullCollection), Middleware(OpenAIErrorEnvelope), Middleware(AdmissionGate),
-            Middleware(BodyInScope)]
+    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares,
+    innermost first (Serve wraps its app in each in turn, so the last one sees a request first:
+    ``ray.serve._private.http_util._apply_middlewares``; it was read the other way round, and the
+    collector ran innermost). The collector outermost, seeing every request; then the envelope,
+    so every answer inside it is OpenAI's; then the body, read whole before the gate counts the
+    request, so a client slow to send it takes none of the app's admission limit (helper-75)."""
+    return [Middleware(AdmissionGate), Middleware(BodyInScope), Middleware(OpenAIErrorEnvelope),
+            Middleware(IdleFullCollection)]
 
 
 def install(environ=os.environ) -> None:

@@ -4,6 +4,7 @@ bodies, authentication, and the proxy's own errors, every answer in OpenAI's env
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -409,16 +410,14 @@ async def _echo(scope, receive, send):
 
 
 def test_the_proxy_sends_small_bodies_in_the_scope(monkeypatch):
-    """``BodyInScope``: a body with a Content-Length up to BODY_IN_SCOPE_MAX_BYTES travels in the
-    scope (and is still replayed to ``receive``); a bigger one, one without a length (chunked) and
-    a client still sending after BODY_READ_TIMEOUT_S pass as before; ``read_body`` takes the
-    scope's body under the same cap as a read one (413 beyond it)."""
+    """``BodyInScope``: a body up to BODY_IN_SCOPE_MAX_BYTES (with a Content-Length or chunked)
+    travels in the scope (and is still replayed to ``receive``), a bigger one is replayed only;
+    ``read_body`` takes the scope's body under the same cap as a read one (413 beyond it)."""
     from deployments import proxy
     from deployments.http import read_body
     from pipeline.errors import PayloadTooLargeError
 
     monkeypatch.setattr(proxy, "BODY_IN_SCOPE_MAX_BYTES", 100)
-    monkeypatch.setattr(proxy, "BODY_READ_TIMEOUT_S", 0.2)
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(BodyInScope(_echo)), base_url="http://t") as c:
@@ -432,31 +431,7 @@ def test_the_proxy_sends_small_bodies_in_the_scope(monkeypatch):
                 yield b"cd"
 
             streamed = await c.post("/v1/images/generations", content=chunked())
-            assert streamed.json() == {"in_scope": None, "read": "abcd"}
-
-        # a slow client: the part read so far, then the rest through the original receive
-        parts = [{"type": "http.request", "body": b"ab", "more_body": True},
-                 {"type": "http.request", "body": b"cd", "more_body": False}]
-        gate = asyncio.Event()
-
-        async def receive():
-            if len(parts) == 1:
-                await gate.wait()
-            return parts.pop(0)
-
-        sent = []
-
-        async def send(message):
-            sent.append(message)
-
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.4, gate.set)
-        scope = {"type": "http", "method": "POST", "path": "/v1/images/generations",
-                 "headers": [(b"content-length", b"4")]}
-        await BodyInScope(_echo)(scope, receive, send)
-        import json
-
-        assert json.loads(sent[1]["body"]) == {"in_scope": None, "read": "abcd"}
+            assert streamed.json() == {"in_scope": "abcd", "read": "abcd"}
 
         from starlette.requests import Request
 
@@ -469,6 +444,103 @@ def test_the_proxy_sends_small_bodies_in_the_scope(monkeypatch):
             await read_body(request, 49)
 
     asyncio.run(run())
+
+
+def _slow_body(declared: int, second_part_after_s: float | None):
+    """``(scope, receive)`` of a POST declaring ``declared`` bytes whose body comes as ``ab``, then
+    ``cd`` after ``second_part_after_s`` seconds (None: never)."""
+    parts = [{"type": "http.request", "body": b"ab", "more_body": True},
+             {"type": "http.request", "body": b"cd", "more_body": False}]
+    gate = asyncio.Event()
+    if second_part_after_s is not None:
+        asyncio.get_running_loop().call_later(second_part_after_s, gate.set)
+
+    async def receive():
+        if len(parts) == 1:
+            await gate.wait()
+        return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+    return {"type": "http", "method": "POST", "path": "/v1/images/generations",
+            "headers": [(b"content-length", str(declared).encode())]}, receive
+
+
+@pytest.mark.parametrize("case", ["in time", "too slow", "declared past the buffer", "past the budget"])
+def test_a_body_that_comes_too_slowly_is_answered_408_by_the_proxy_and_never_passed_on(monkeypatch, case):
+    """helper-75: bodies never finished (Content-Length 1000, 10 bytes sent) went on to the Ingress
+    after 5 s and each held one of its slots; 280 of them left the app answering nothing, /health
+    included. The proxy now reads a body whole before the request goes on, and one not arrived
+    BODY_READ_GRACE_S plus a second per MIN_BODY_BYTES_PER_S bytes after the headers is a 408 in
+    the envelope (connection closed), the app never called. A body declared past
+    BODY_BUFFER_MAX_BYTES goes on at once (the Ingress refuses it by its length), and one past the
+    budget of bodies held goes on as far as it has come."""
+    from deployments import proxy
+
+    monkeypatch.setattr(proxy, "BODY_READ_GRACE_S", 0.2)
+    monkeypatch.setattr(proxy, "BODY_BUFFER_MAX_BYTES", 100 if case == "declared past the buffer" else 1000)
+    monkeypatch.setattr(proxy, "BODY_BUFFER_BUDGET_BYTES", 1 if case == "past the budget" else 1000)
+    declared = 400 if case == "declared past the buffer" else 4
+
+    async def run():
+        scope, receive = _slow_body(declared, None if case == "too slow" else 0.1 if case == "in time" else 0.4)
+        sent, called = [], []
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            called.append(True)
+            await _echo(scope, receive, send)
+
+        middleware = BodyInScope(app)
+        await middleware(scope, receive, send)
+        assert middleware.held == 0
+        return sent, called
+
+    sent, called = asyncio.run(run())
+    if case == "too slow":
+        assert not called and sent[0]["status"] == 408
+        assert (b"connection", b"close") in sent[0]["headers"]
+        error = json.loads(sent[1]["body"])["error"]
+        assert error["code"] == "body_timeout" and "2 bytes in" in error["message"], error
+        return
+    assert called and json.loads(sent[1]["body"]) == {"in_scope": "abcd" if case == "in time" else None,
+                                                      "read": "abcd"}
+
+
+def test_unfinished_bodies_past_the_ingress_slots_leave_the_app_serving_and_get_408(url, authed):
+    """helper-75, through Serve's real proxy: more connections than the Ingress has slots, each
+    declaring a 1000-byte body and sending 10 bytes, left /health and every request unanswered
+    for as long as they stayed open. Now the app serves beside them, and each gets a 408 in the
+    envelope once its body is late (BODY_READ_GRACE_S after its headers)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from deployments.ingress import INGRESS_SPARE_SLOTS
+
+    slots = authed.get("/v1/stats").json()["ingress"]["admission_limit"] + INGRESS_SPARE_SLOTS
+    address = urlsplit(url)
+    head = (f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":").encode()
+    sockets = []
+    try:
+        for _ in range(slots + 12):
+            sockets.append(socket.create_connection((address.hostname, address.port), timeout=60))
+            sockets[-1].sendall(head)
+        # before, neither answered while the slow connections stayed open (they stay open here)
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        fine = authed.post("/v1/images/generations", json={"prompt": "a circle", "seed": 1, "num_inference_steps": 2})
+        assert fine.status_code == 200, fine.text
+        for sock in sockets:
+            answer = b""
+            while b"}}" not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_small_bodies_reach_the_ingress_in_the_scope_through_serve(ray_cluster):
