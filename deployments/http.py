@@ -195,14 +195,64 @@ def _object_of_unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return obj
 
 
+class _HugeInteger(Exception):
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _bounded_int(text: str) -> int:
+    """A JSON integer; raises ``_HugeInteger`` for one of more digits than Python converts
+    (``sys.get_int_max_str_digits()``, 4300: its ValueError named Python's setting)."""
+    if len(text) > MAX_INTEGER_DIGITS:
+        raise _HugeInteger(len(text.lstrip("-")))
+    return int(text)
+
+
+_MARK = object()  # what a second parse puts where the first one found a problem
+# The most digits a JSON integer may have: Python's int_max_str_digits default (a longer one was
+# Python's ValueError, naming its setting); far past any field's bound (a seed has 19).
+MAX_INTEGER_DIGITS = 4300
+
+
+def _marked_field(raw: bytes, **hooks) -> str | None:
+    """The request field a problem the first parse of ``raw`` met belongs to: a second parse with
+    ``hooks`` (``json.loads``'s) that put :data:`_MARK` where it is, then the top-level key whose
+    value holds it (at any depth; the key itself for a top-level repeat); None when not found."""
+    try:
+        value = json.loads(raw, **hooks)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    for key, member in value.items():
+        stack = [member]
+        while stack:
+            item = stack.pop()
+            if item is _MARK:
+                return key
+            stack.extend(item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())
+    return None
+
+
 def parse_json(raw: bytes):
     """JSON text → value. Raises ``InvalidRequestError`` for malformed or too deeply nested
-    JSON, and for an object that gives a key more than once (as a form field given twice)."""
+    JSON, for an object that gives a key more than once (as a form field given twice), and for an
+    integer of more than ``MAX_INTEGER_DIGITS`` digits, each naming the request field it is in
+    (helper-75: a key repeated inside ``cache_dit_params`` named the inner key, an integer of
+    100,000 digits was "Exceeds the limit (4300 digits) ... sys.set_int_max_str_digits()")."""
     try:
-        return json.loads(raw or b"null", object_pairs_hook=_object_of_unique_keys)
+        return json.loads(raw or b"null", object_pairs_hook=_object_of_unique_keys, parse_int=_bounded_int)
     except _RepeatedKey as exc:
-        raise InvalidRequestError(f"request body gives the key {shown(exc.key)} more than once in one object; "
-                                  "it takes one value", param=exc.key[:64], code="invalid_json") from None
+        field = _marked_field(raw, parse_int=lambda text: 0, object_pairs_hook=lambda pairs: (
+            _MARK if len({key for key, _ in pairs}) < len(pairs) else dict(pairs))) or exc.key
+        where = "" if field == exc.key else f" inside {shown(field)}"
+        raise InvalidRequestError(f"request body gives the key {shown(exc.key)} more than once in one object{where}; "
+                                  "it takes one value", param=field[:64], code="invalid_json") from None
+    except _HugeInteger as exc:
+        field = _marked_field(raw, parse_int=lambda text: _MARK if len(text) > MAX_INTEGER_DIGITS else 0) or "body"
+        raise InvalidRequestError(f"{field}: an integer of {exc.digits} digits; no field takes a number that large",
+                                  param=field[:64], code="invalid_value") from None
     except RecursionError:
         raise InvalidRequestError("request body nests too deeply", param="body", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:

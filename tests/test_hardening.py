@@ -133,13 +133,32 @@ def test_deep_nesting_is_a_400_in_json_and_in_forms():
     assert refused(body).param == "cache_dit_params"
 
 
+def test_an_integer_of_more_digits_than_python_converts_is_a_400_naming_its_field():
+    """helper-75: a seed of 100,000 digits was a 400 naming ``body`` with Python's own message
+    ("Exceeds the limit (4300 digits) ... sys.set_int_max_str_digits()")."""
+    huge = "9" * 100_000
+    for raw, field in ((f'{{"prompt": "x", "seed": {huge}}}', "seed"),
+                       (f'{{"prompt": "x", "lora": [{{"name": "a", "scale": -{huge}}}]}}', "lora"),
+                       (f'[{huge}]', "body")):
+        with pytest.raises(InvalidRequestError, match=f"^{field}: an integer of 100000 digits; no field takes") as err:
+            parse_json(raw.encode())
+        assert err.value.param == field and err.value.code == "invalid_value"
+    assert parse_json(f'{{"seed": {"9" * 4300}}}'.encode())["seed"] == int("9" * 4300)  # a 400 naming seed later
+    assert "seed" in refused({"prompt": "x", "seed": int("9" * 4300)}).message
+
+
 def test_a_key_given_twice_in_a_json_object_is_a_400_naming_it():
     """``{"prompt": "x", "prompt": "y"}`` ran "y" without a word (a form field given twice is refused)."""
     with pytest.raises(InvalidRequestError, match="gives the key 'prompt' more than once") as err:
         parse_json(b'{"prompt": "x", "num_inference_steps": 2, "prompt": "y"}')
     assert err.value.param == "prompt" and err.value.code == "invalid_json"
-    with pytest.raises(InvalidRequestError, match="gives the key 'scale' more than once") as err:
+    with pytest.raises(InvalidRequestError, match="gives the key 'scale' more than once in one object inside 'lora'"
+                       ) as err:
         parse_json(b'{"prompt": "x", "lora": [{"name": "a", "scale": 1, "scale": 2}]}')  # at any depth
+    assert err.value.param == "lora"  # the request field (helper-75: it named the inner key, "scale")
+    with pytest.raises(InvalidRequestError) as err:
+        parse_json(b'{"prompt": "x", "cache_dit_params": {"Fn_compute_blocks": 1, "Fn_compute_blocks": 2}, "n": 1}')
+    assert err.value.param == "cache_dit_params"
     assert parse_json(b'{"a": {"k": 1}, "b": {"k": 2}}') == {"a": {"k": 1}, "b": {"k": 2}}  # one per object
     with pytest.raises(InvalidRequestError, match="form field 'lora' gives the key 'name' more than once") as err:
         form_to_body([("prompt", "a"), ("lora", '[{"name": "a", "name": "b"}]')])  # JSON text in a form field

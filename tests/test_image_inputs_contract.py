@@ -3,6 +3,7 @@ good ones are decoded, converted and resized in the Ingress (no Ray, no model)."
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -113,6 +114,22 @@ def test_a_photo_larger_than_max_pixels_is_scaled_down_by_default():
     assert facts.limits("x", {**config, "max_pixels": 5000 * 5000}).max_input_pixels == 5000 * 5000
     own = facts.limits("tiny-flux", {**config, "max_input_pixels": 200 * 200})
     assert refused({"image": picture((400, 300))}, own).code == "image_too_large"
+
+
+def test_a_long_thin_image_is_told_why_it_is_too_small_once_scaled():
+    """helper-75: an 8x131072 upload was "each side must be at least 8 pixels", which it is; it
+    is too long and thin to keep a side of 16 once scaled down to ``max_pixels`` (FLUX: 128x128,
+    so an aspect ratio of at most 64:1). A side under 16 is told so; ``size`` makes either fit."""
+    long_thin = refused({"image": picture((16, 65 * 16))}, dataclasses.replace(FLUX, max_input_pixels=10 ** 6))
+    assert long_thin.code == "image_too_small" and long_thin.param == "image"
+    assert "scaled down to at most 16384 pixels, its short side is under 16" in long_thin.message
+    assert "aspect ratio at most 64:1" in long_thin.message
+    narrow = refused({"image": picture((8, 64))})
+    assert narrow.code == "image_too_small" and "each side must be at least 16 pixels" in narrow.message
+    assert (edit({"image": picture((16, 64 * 16))}).width, edit({"image": picture((16, 64 * 16))}).height) == (16, 1024)
+    roomy = dataclasses.replace(FLUX, max_input_pixels=10 ** 6)
+    sized = edit({"image": picture((16, 65 * 16)), "size": "64x64"}, roomy)
+    assert (sized.width, sized.height) == (64, 64)
 
 
 def test_pixel_modes_convert_to_rgb_or_are_refused_by_name():

@@ -113,11 +113,16 @@ def auto_size(width: int, height: int, spatial_factor: int, max_pixels: int, fie
     """The output size for an input of ``width`` × ``height`` when the request gives no
     ``size``: the input's own size, scaled down to at most ``max_pixels`` (keeping its aspect)
     and rounded down to multiples of ``spatial_factor``. Raises ``InvalidRequestError`` when
-    that leaves less than one multiple on a side."""
+    that leaves less than one multiple on a side (a side under it, or, scaled down, a long thin
+    image's short side: helper-75, 8x131072 was told each side must be at least 8)."""
     scale = min(1.0, math.sqrt(max_pixels / (width * height)))
     w = int(width * scale) // spatial_factor * spatial_factor
     h = int(height * scale) // spatial_factor * spatial_factor
-    if w < spatial_factor or h < spatial_factor:
+    if min(width, height) < spatial_factor:
         raise _bad(field, f"image is {width}x{height}; each side must be at least {spatial_factor} pixels "
                           f"(or give size)", code="image_too_small")
+    if w < spatial_factor or h < spatial_factor:
+        raise _bad(field, f"image is {width}x{height}: scaled down to at most {max_pixels} pixels, its short side "
+                          f"is under {spatial_factor} pixels (too long and thin); give size, or send an image of "
+                          f"aspect ratio at most {max_pixels // spatial_factor ** 2}:1", code="image_too_small")
     return w, h
