@@ -357,26 +357,27 @@ class BodyInScope:
             await self.app(scope, receive, send)  # no body, or one Serve's path and the Ingress refuse
             return
         messages, chunks, received, complete = [], [], 0, False
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = asyncio.get_running_loop().time()
         try:
-            while not complete:
-                left = start + BODY_READ_GRACE_S + received / MIN_BODY_BYTES_PER_S - loop.time()
-                try:
-                    message = await asyncio.wait_for(receive(), max(left, 0))
-                except TimeoutError:
-                    self.timeouts.inc()
-                    await _answer_body_timeout(send, received)
-                    return
-                messages.append(message)
-                if message["type"] != "http.request":  # the client left: Serve sees it as it would have
-                    break
-                chunks.append(message.get("body", b""))
-                received += len(chunks[-1])
-                self.held += len(chunks[-1])
-                complete = not message.get("more_body", False)
-                if not complete and self.held > BODY_BUFFER_BUDGET_BYTES:
-                    break  # on as far as it has come, the rest through Serve's path
+            try:
+                # one deadline, moved as the body comes (asyncio.wait_for makes a task per read)
+                async with asyncio.timeout_at(start + BODY_READ_GRACE_S) as deadline:
+                    while not complete:
+                        deadline.reschedule(start + BODY_READ_GRACE_S + received / MIN_BODY_BYTES_PER_S)
+                        message = await receive()
+                        messages.append(message)
+                        if message["type"] != "http.request":  # the client left: Serve sees it as it would have
+                            break
+                        chunks.append(message.get("body", b""))
+                        received += len(chunks[-1])
+                        self.held += len(chunks[-1])
+                        complete = not message.get("more_body", False)
+                        if not complete and self.held > BODY_BUFFER_BUDGET_BYTES:
+                            break  # on as far as it has come, the rest through Serve's path
+            except TimeoutError:
+                self.timeouts.inc()
+                await _answer_body_timeout(send, received)
+                return
             if complete and received <= BODY_IN_SCOPE_MAX_BYTES and (declared is None or received == int(declared)):
                 scope = {**scope, BODY_SCOPE_KEY: b"".join(chunks)}
             chunks.clear()
@@ -405,12 +406,14 @@ async def _answer_body_timeout(send, received: int) -> None:
 def middlewares() -> list[Middleware]:
     """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the proxy's middlewares,
     innermost first (Serve wraps its app in each in turn, so the last one sees a request first:
-    ``ray.serve._private.http_util._apply_middlewares``; it was read the other way round, and the
-    collector ran innermost). The collector outermost, seeing every request; then the envelope,
-    so every answer inside it is OpenAI's; then the body, read whole before the gate counts the
-    request, so a client slow to send it takes none of the app's admission limit (helper-75)."""
-    return [Middleware(AdmissionGate), Middleware(BodyInScope), Middleware(OpenAIErrorEnvelope),
-            Middleware(IdleFullCollection)]
+    ``ray.serve._private.http_util._apply_middlewares``). The body is read first, so the gate
+    counts only a request whose body has arrived and a client slow to send one takes none of the
+    app's admission limit (helper-75); the gate's refusals and the 408 are answered there, in the
+    envelope already; the envelope and the collector wrap what Serve's proxy itself answers and
+    the requests it runs (the order ``bench/overload.py``'s figures in the README were measured
+    with)."""
+    return [Middleware(IdleFullCollection), Middleware(OpenAIErrorEnvelope), Middleware(AdmissionGate),
+            Middleware(BodyInScope)]
 
 
 def install(environ=os.environ) -> None:
