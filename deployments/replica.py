@@ -26,7 +26,6 @@ from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
 from pipeline.errors import BatchCancelled, InvalidRequestError, ReplicaUnavailableError, dropped_rows
-from pipeline.modes import InputMode
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
@@ -137,8 +136,8 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts, batching: d
         raise ValueError(f"limits.{field.get(exc.param, exc.param)}: the default is a value no request may give "
                          f"to model {model_name!r}: {exc.message}") from None
     if batching is not None:
-        reference = facts.requires_image and InputMode.REFERENCE in facts.input_modes
-        problems = batch_fit_problems(batching, config.model_dump(), facts.temporal_factor > 0, reference)
+        problems = batch_fit_problems(batching, config.model_dump(), facts.temporal_factor > 0,
+                                      facts.edits_by_reference_only)
         if problems:
             raise ValueError(f"{'; '.join(problems)} (model {model_name!r})")
 

@@ -206,8 +206,8 @@ class Router:
         checkpoint's: one frame)."""
         facts = self._facts
         video = facts.temporal_factor > 0 if facts is not None else self._known_video
-        reference = facts is not None and facts.requires_image and InputMode.REFERENCE in facts.input_modes
-        return batching_update(self._args_batching, knobs, self._limits, video, reference)
+        return batching_update(self._args_batching, knobs, self._limits, video,
+                               facts is not None and facts.edits_by_reference_only)
 
     def check_health(self) -> None:
         """Serve's health check (also run once the start's ``reconfigure`` is done): from then on

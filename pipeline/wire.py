@@ -119,6 +119,12 @@ class ModelFacts:
     max_latent_frames: int = 0
     max_aspect_ratio: float = 0.0
 
+    @property
+    def edits_by_reference_only(self) -> bool:
+        """The model only edits, by reference: its smallest request gives one image, whose tokens
+        join the sequence (``deployments.config.default_request_cost`` counts it)."""
+        return self.requires_image and InputMode.REFERENCE in self.input_modes
+
     def limits(self, model_name: str, limits: dict, loras: dict | None = None) -> ServingLimits:
         """The validation context: these facts plus the config's ``limits`` section
         (``deployments.config.LimitsConfig`` as a dict) and the registered LoRA adapters
