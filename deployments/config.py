@@ -16,11 +16,11 @@ from parallel.config import ParallelConfig, paired_sharding_problem, sharding_pr
 from parallel.kernels import default_kernel_rejections, kernel_names
 from pipeline.cache_dit_params import CacheDiTParams
 from pipeline.contract.base import fields_at
-from pipeline.contract.limits import ENCODER_MAX_SIDE, MAX_GUIDANCE_SCALE, parse_size
+from pipeline.contract.limits import ENCODER_MAX_SIDE, MAX_GUIDANCE_SCALE, ServingLimits, parse_size, size_problem
 from pipeline.contract.lora import LoraEntry, name_problem, scale_problem
 from pipeline.contract.text import did_you_mean, shown
 from pipeline.modes import offload_problems
-from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_NAMES, EMBEDDED_VIDEO_NAMES
+from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_NAMES, EMBEDDED_SIZE_GRIDS, EMBEDDED_VIDEO_NAMES
 
 # Where the embedded tiny-flux adapters live (pipeline.tiny.lora; a path of null names one).
 EMBEDDED_LORA_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "tiny" / "weights" / "loras"
@@ -144,6 +144,12 @@ class ModelConfig(_Strict):
         """Whether the model makes videos, where the config alone tells (an embedded model); None
         for a checkpoint's (read where the replica loads it)."""
         return self.name in EMBEDDED_VIDEO_NAMES if self.path is None else None
+
+    def known_size_grid(self) -> tuple[int, int, float] | None:
+        """``(spatial_factor, max_side, max_aspect_ratio)`` of the model's output sizes where the
+        config alone tells (an embedded model: ``pipeline.tiny.names.EMBEDDED_SIZE_GRIDS``); None
+        for a checkpoint's (read where the replica loads it)."""
+        return EMBEDDED_SIZE_GRIDS[self.name] if self.path is None else None
 
     def lora_registry(self) -> dict[str, LoraEntry]:
         """Adapter name -> ``LoraEntry`` (paths resolved; what requests are resolved against)."""
@@ -729,6 +735,25 @@ class AppConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _default_size_on_grid(self):
+        """``limits.default_size`` must be a size the model makes, as far as the config tells its
+        grid (:meth:`ModelConfig.known_size_grid`: an embedded model; a checkpoint's is checked
+        where the replica loads it, ``deployments.replica.check_defaults``). helper-76: ``60x64``
+        on tiny-flux passed ``--check`` and failed each replica's start. Raises ``ValueError``."""
+        grid = self.model.known_size_grid()
+        if grid is None:
+            return self
+        width, height = parse_size(self.limits.default_size)
+        spatial_factor, max_side, max_aspect_ratio = grid
+        problem = size_problem(width, height, ServingLimits(
+            model_name=self.model.name, spatial_factor=spatial_factor, default_width=width, default_height=height,
+            default_steps=self.limits.default_steps, default_guidance_scale=0.0, max_pixels=self.limits.max_pixels,
+            max_side=max_side, max_aspect_ratio=max_aspect_ratio))
+        if problem:
+            raise ValueError(default_refused("default_size", self.model.name, problem))
+        return self
+
+    @model_validator(mode="after")
     def _default_knobs(self):
         problem = default_knobs_problem(self.acceleration, self.limits.default_steps)
         if problem:
@@ -745,6 +770,12 @@ class AppConfig(_Strict):
         if problem:
             raise ValueError(problem)
         return self
+
+
+def default_refused(field: str, model_name: str, problem: str) -> str:
+    """The message for ``limits.<field>``'s default that no request to ``model_name`` may give
+    (``problem``: the request check's own words)."""
+    return f"limits.{field}: the default is a value no request may give to model {model_name!r}: {problem}"
 
 
 def default_request_cost(limits: dict, video: bool, reference: bool = False) -> float:

@@ -116,7 +116,7 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts, batching: d
     ran for every request that left the field out. With ``batching`` (``args.batching``), also
     when the Router could batch no such request, or none with ``max_n`` images
     (``deployments.config.batch_fit_problems``, with the model's own frames and input image)."""
-    from deployments.config import LimitsConfig, batch_fit_problems
+    from deployments.config import LimitsConfig, batch_fit_problems, default_refused
     from pipeline.contract.edits import validate_edit_request
     from pipeline.contract.images import validate_image_request
     from pipeline.contract.videos import validate_video_request
@@ -133,8 +133,7 @@ def check_defaults(model_name: str, limits: dict, facts: ModelFacts, batching: d
         else:
             validate_image_request(body, serving)
     except InvalidRequestError as exc:
-        raise ValueError(f"limits.{field.get(exc.param, exc.param)}: the default is a value no request may give "
-                         f"to model {model_name!r}: {exc.message}") from None
+        raise ValueError(default_refused(field.get(exc.param, exc.param), model_name, exc.message)) from None
     if batching is not None:
         problems = batch_fit_problems(batching, config.model_dump(), facts.temporal_factor > 0,
                                       facts.edits_by_reference_only)

@@ -125,6 +125,23 @@ def test_the_shutdown_wait_loop_is_serves_unless_the_replica_section_sets_it():
     assert loops({"replica": {"graceful_shutdown_wait_loop_s": 0.25}}) == {0.25}
 
 
+@pytest.mark.parametrize("model, limits, said", [
+    ("tiny-flux", {"default_size": "60x64"}, "multiples of 8 pixels"),
+    ("tiny-qwen-image", {"default_size": "40x48"}, "multiples of 16 pixels"),
+    ("tiny-z-image", {"default_size": "1024x64"}, "each side must be at most 512 pixels"),
+    ("tiny-wan", {"default_size": "64x56", "max_frames": 9, "default_num_frames": 5}, "multiples of 16 pixels"),
+    ("tiny-qwen-image-edit", {"default_size": "4096x16", "max_pixels": 2**21}, "at most 128:1")])
+def test_an_embedded_models_default_size_off_its_grid_is_refused_by_the_config(model, limits, said):
+    """helper-76: ``default_size: 60x64`` on tiny-flux passed ``--check`` (and started a cluster)
+    before each replica refused it. An embedded model's grid is known without loading it
+    (``EMBEDDED_SIZE_GRIDS``, checked against each loaded family in test_family_conformance); the
+    message is the replica's own. A checkpoint's grid is left to its replica."""
+    with pytest.raises(ValidationError, match=rf"limits\.default_size: the default is a value no request may give "
+                                              rf"to model '{model}': .*{said}"):
+        AppConfig.model_validate({"model": {"name": model}, "limits": limits})
+    AppConfig.model_validate({"model": {"name": model, "path": "/no/such/checkpoint"}, "limits": limits})
+
+
 def test_a_default_no_request_may_give_fails_the_replicas_start():
     """A default off the model's grid ran for every request that left the field out, while a
     request giving it was a 400 (helper-32's review: ``default_size: 60x64`` made 60x64 images):

@@ -11,7 +11,7 @@ from pipeline.families import REGISTRY, checkpoint_attention_heads, load_family
 from pipeline.families.base import Conditioning, ModelFamily
 from pipeline.loop import denoise_batch, plan_batch
 from pipeline.modes import DualMode, GuidanceMode, InputMode
-from pipeline.tiny.names import EMBEDDED_DUAL_MODES
+from pipeline.tiny.names import EMBEDDED_DUAL_MODES, EMBEDDED_SIZE_GRIDS
 from pipeline.tiny.registry import EMBEDDED
 from pipeline.wire import ImageArray
 from tests.helpers import flux_params, video_params
@@ -87,6 +87,8 @@ def test_members_and_shapes_on_a_batch_of_two(family, request):
     assert family.guidance_style != GuidanceMode.NONE
     # what a config is checked against before any replica loads the model (deployments.config)
     assert family.dual_mode == EMBEDDED_DUAL_MODES.get(request.node.callspec.params["family"], DualMode.SINGLE)
+    assert EMBEDDED_SIZE_GRIDS[request.node.callspec.params["family"]] == (
+        family.spatial_factor, family.max_side, family.max_aspect_ratio)
     names = list(family.transformers)
     assert names == (["transformer"] if family.dual_mode == DualMode.SINGLE else ["transformer", "transformer_2"])
     assert all(isinstance(m, torch.nn.Module) for m in family.transformers.values())
