@@ -315,7 +315,8 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
     nothing back); None: only ``decode`` ranks decode. ``on_preview(request index, partial index, images)``
     receives the previews of requests with ``partial_images`` (float32 (n, H, W, 3) in [0, 1],
     ``family.decode_preview`` of the x0-prediction of that request's rows only — a video's first
-    frame — at :func:`preview_steps`;
+    frame — with the regions the run keeps taken from the input image as after the last step
+    (``family.after_step``), at :func:`preview_steps`;
     only where ``decode`` is on). Raises ``ValueError`` if the batch is
     empty or mixes signatures. A request whose own text fails to encode is left out (see
     ``LoopOutput.failures``); the others run exactly as they would without it.
@@ -358,7 +359,10 @@ def denoise_batch(family, batch: list[SamplingParams], schedule: BatchSchedule |
             if on_guide_skipped is not None:
                 on_guide_skipped(step.guide)
         if i + 1 in previews:
-            x0 = x0_prediction(scheduler, latents, noise_pred, i)
+            # in the regions the run keeps (inpainting's unmasked area, image-to-video's first
+            # frame) the x0-prediction is what the last step puts there: the input image
+            x0 = family.after_step(x0_prediction(scheduler, latents, noise_pred, i), positions, num_steps - 1,
+                                   scheduler, schedule.timesteps)
             for j, k in previews[i + 1]:
                 rows = x0[splits[j]:splits[j + 1]]
                 if torch.isfinite(rows).all():  # an overflowed request streams no black or white previews
