@@ -9,7 +9,7 @@ import shutil
 import httpx
 import pytest
 
-from tests.helpers import TINY_ARGS
+from tests.helpers import TINY_ARGS, router_stats, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,16 @@ def test_a_prompt_streams_previews_then_the_image(deploy, browser):
     assert "error" not in (browser.find_element(By.ID, "status").get_attribute("class") or "")
     # nothing the page did was refused: by its Content-Security-Policy, or a /favicon.ico request
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    # Leaving the page in this tab mid-stream cancels the work (helper-78: the browser kept the
+    # page and its connection in its back/forward cache, and the batch ran to its end for nobody)
+    before = router_stats(url)["counters"]
+    _submit(browser, "image", "256x256", 100)
+    WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("preview"))
+    browser.get(f"{url}/health")
+    wait_until(lambda: router_stats(url)["counters"].get("cancelled_running", 0) > before.get("cancelled_running", 0),
+               timeout=120)
+    browser.back()  # restored from the cache or loaded again: either way a page that works
+    WebDriverWait(browser, 30).until(ec.presence_of_element_located((By.ID, "submit")))
 
 
 def test_behind_auth_the_page_loads_and_its_calls_carry_the_key(deploy, browser, tmp_path):
