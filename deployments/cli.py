@@ -825,15 +825,16 @@ def _first_image(response, base_url: str) -> bytes:
     return _decoded(getattr(data[0], "b64_json", None), base_url, "data[0]")
 
 
-_PREVIEW_NAME = re.compile(r"partial-\d{1,2}\.(?:png|jpg|jpeg|webp)")
+_PREVIEW_NAME = re.compile(r"partial-\d{1,2}\.(?:png|jpg|jpeg|webp)", re.IGNORECASE)  # .JPG from -o x.JPG once
 
 
 def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None) -> dict:
     """Consume an image stream (``image_generation.*`` or ``image_edit.*`` events): each
-    preview written to ``previews`` as ``partial-<index>.<suffix>``, the final image to
-    ``output``; return the ``ditserve`` metadata. Raises :class:`BadAnswer` if the stream
-    ends without its ``completed`` event. Once the stream answers, an earlier run's previews
-    in ``previews`` (``partial-<index>.<png|jpg|jpeg|webp>``) are removed, so the directory
+    preview written to ``previews`` as ``partial-<index>.<suffix>`` (``output``'s, in lower
+    case), the final image to ``output``; return the ``ditserve`` metadata. Raises
+    :class:`BadAnswer` if the stream ends without its ``completed`` event. Once the stream
+    answers, an earlier run's previews in ``previews`` (``partial-<index>.<png|jpg|jpeg|webp>``,
+    in any case) are removed, so the directory
     holds this request's only (a run with fewer previews left the others beside them)."""
     fresh = False
     for event in events:
@@ -850,7 +851,7 @@ def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 100:
                 raise BadAnswer(f"the stream from {base_url} sent a preview without a valid partial_image_index "
                                 f"({shown(index)})")
-            _write(previews / f"partial-{index}{output.suffix or '.png'}",
+            _write(previews / f"partial-{index}{output.suffix.lower() or '.png'}",
                    _decoded(getattr(event, "b64_json", None), base_url, f"preview {index}"))
         elif kind == "completed":
             _write(output, _decoded(getattr(event, "b64_json", None), base_url, "the completed event"))

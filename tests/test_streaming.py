@@ -162,6 +162,12 @@ def test_cli_streams_and_saves_previews(url, tmp_path, capsys):
     # other files stay
     (previews / "notes.txt").write_text("mine")
     (previews / "partial-0.jpg").write_bytes(b"an older run's jpeg")
+    (previews / "partial-1.JPG").write_bytes(b"one from -o x.JPG")  # helper-78: it stayed
     assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x64", "--steps", "2",
                  "--stream-previews", str(previews)]) == 0
     assert sorted(p.name for p in previews.iterdir()) == ["notes.txt", "partial-0.png"]
+    # -o's suffix in any case picks the format; the previews' suffix is its lower case
+    assert main(["generate", "a red circle", "-o", str(tmp_path / "c.WebP"), "--url", url, "--size", "64x64",
+                 "--steps", "2", "--stream-previews", str(previews)]) == 0
+    assert sorted(p.name for p in previews.iterdir()) == ["notes.txt", "partial-0.webp"]
+    assert Image.open(previews / "partial-0.webp").format == "WEBP"
