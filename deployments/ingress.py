@@ -260,7 +260,7 @@ class Ingress:
         if self._limits is not None:
             self._limits = dataclasses.replace(self._limits, loras=self._loras)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve's health check (also run once the start's ``reconfigure`` is done): from then on
         a bad ``user_config`` update is refused, not raised."""
         self._live.started()

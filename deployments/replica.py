@@ -255,7 +255,7 @@ class DiTReplica:
                 raise InvalidRequestError(f"LoRA adapter {spec.name!r} was refused when the adapter registry was "
                                           f"updated: {reason}", param="lora", code="adapter_refused")
 
-    def facts(self) -> ModelFacts:
+    async def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)
 
     async def check_health(self) -> None:
@@ -289,7 +289,7 @@ class DiTReplica:
         Router's queue (images, requests), which ``RouterQueuePolicy`` scales on."""
         return await router_queue_stats(serve.get_replica_context().app_name)
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """What the request router sees of this replica (every ``routing_stats_period_s``): its
         state (signature, adapters loaded and active, kernel, Cache-DiT key), the adapters its
         last registry update refused (``loras_refused``, names) and counters. Also

@@ -105,6 +105,10 @@ class Router:
     sees): its queues, counters and video jobs are its own, so a second Router's jobs would
     404 on the first. A fresh deploy is then ``DEPLOY_FAILED`` with this message; onto a
     running app the running Router serves on while Serve retries the second.
+
+    Every method a handle or Serve calls is ``async``: Serve runs a plain ``def`` in a thread
+    pool (``RAY_SERVE_RUN_SYNC_IN_THREADPOOL``), where it raced the event loop that owns the
+    queues, leases and video jobs (``tests/test_architecture.py`` checks the three deployments).
     """
 
     def __init__(self, replica, capacity: int, videos: dict | None = None, routing_nice: int = 0,
@@ -127,7 +131,7 @@ class Router:
         self._limits = limits  # args' limits: what the knobs must be able to batch (None: not checked)
         self._known_video = video  # whether the model makes videos, where the config tells (None: not known)
         self._facts: ModelFacts | None = None
-        self.reconfigure_batching(self._batching_update(None).model_dump())
+        self._apply_batching(self._batching_update(None).model_dump())
         self._queues: dict[BatchSignature, deque[_Pending]] = {}
         self._queued = 0
         self._queued_by_priority = Tally()  # queued requests per priority (the queue-depth gauge)
@@ -195,7 +199,7 @@ class Router:
         ``args`` said 2). Knobs that fail ``BatchingConfig`` are refused, those in force stay
         (``deployments.live_config``; at start they raise ``ValidationError``)."""
         def apply(knobs: dict) -> None:
-            self.reconfigure_batching(self._batching_update(knobs).model_dump())
+            self._apply_batching(self._batching_update(knobs).model_dump())
             self._wakeup.set()
         await self._live.apply(batching, apply)
 
@@ -209,12 +213,12 @@ class Router:
         return batching_update(self._args_batching, knobs, self._limits, video,
                                facts is not None and facts.edits_by_reference_only)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve's health check (also run once the start's ``reconfigure`` is done): from then on
         a bad ``user_config`` update is refused, not raised."""
         self._live.started()
 
-    def reconfigure_batching(self, batching: dict) -> None:
+    def _apply_batching(self, batching: dict) -> None:
         self._max_batch_size = int(batching["max_batch_size"])
         self._max_wait_s = float(batching["max_wait_ms"]) / 1e3
         self._max_queued = int(batching["max_queued_requests"])
@@ -281,10 +285,10 @@ class Router:
         while no DiTReplica is left and Serve has given up starting one
         (:meth:`_answer_queued_if_unservable`), ``InvalidRequestError`` (400
         ``adapter_refused``) for a LoRA adapter every DiTReplica refused at its last registry
-        update (:meth:`refused_adapters`), counting the rejection."""
+        update (:meth:`_refused_adapters`), counting the rejection."""
         self._trimmer.busy()
         self._refuse_if_unservable(params.request_id)
-        refused = sorted({spec.name for spec in params.lora} & self.refused_adapters()) if params.lora else ()
+        refused = sorted({spec.name for spec in params.lora} & self._refused_adapters()) if params.lora else ()
         if refused:
             self._reject("adapter_refused")
             raise InvalidRequestError(f"LoRA adapter {refused[0]!r} was refused by every replica when the adapter "
@@ -324,7 +328,11 @@ class Router:
                                       f"smaller {what} or n", param="size", code="invalid_value",
                                       request_id=params.request_id)
 
-    def refused_adapters(self) -> frozenset[str]:
+    async def refused_adapters(self) -> frozenset[str]:
+        """The adapters :meth:`_refused_adapters` names (for the Ingress's ``/v1/models``)."""
+        return self._refused_adapters()
+
+    def _refused_adapters(self) -> frozenset[str]:
         """The LoRA adapters every DiTReplica refused at its last registry update (a file
         missing or unreadable where they run), as their routing stats last said: requests
         naming one are refused at admission and ``/v1/models`` does not list it."""
@@ -433,7 +441,7 @@ class Router:
             if not answer.done():
                 answer.cancel()
 
-    def renew_lease(self, caller: str) -> dict:
+    async def renew_lease(self, caller: str) -> dict:
         """A caller (an Ingress replica) is alive: keep its requests. Returns the admission knobs
         in force, ``{"max_queued_requests", "max_batch_size", "replicas"}`` (a live ``user_config``
         included; ``replicas``: the DiTReplicas routed to now, or ``capacity`` while unknown)."""
@@ -914,21 +922,21 @@ class Router:
         pending = self._enqueue(params, on_progress=job.on_progress, on_preview=job.on_preview)
         return self._jobs.track(job, pending)
 
-    def list_jobs(self, limit: int, after: str | None, order: ListOrder) -> VideoList:
+    async def list_jobs(self, limit: int, after: str | None, order: ListOrder) -> VideoList:
         """A page of the jobs (``VideoJobs.list``; the Ingress checked ``limit`` and ``order``)."""
         return self._jobs.list(limit, after, order)
 
-    def get_job(self, job_id: str) -> VideoJob:
+    async def get_job(self, job_id: str) -> VideoJob:
         return self._jobs.get(job_id)
 
-    def job_content(self, job_id: str, variant: str = "video") -> bytes:
+    async def job_content(self, job_id: str, variant: str = "video") -> bytes:
         return self._jobs.content(job_id, variant)
 
-    def delete_job(self, job_id: str) -> dict:
+    async def delete_job(self, job_id: str) -> dict:
         return self._jobs.delete(job_id)
 
     # -- observability and lifecycle -----------------------------------------------------
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         chooser = chooser_for(self._replica.app_name, self._replica.deployment_name)
         return {
             "router_replica": serve.get_replica_context().replica_id.unique_id,
@@ -944,7 +952,7 @@ class Router:
             "live_update_refused": self._live.refused,  # the last user_config update refused, if any
         }
 
-    def queue_depth(self) -> dict[str, int]:
+    async def queue_depth(self) -> dict[str, int]:
         """Requests and images (a request counts ``n``) queued here, not yet dispatched: the
         signal DiTReplica autoscales on (``deployments.autoscaling``)."""
         return {"requests": self._queued,

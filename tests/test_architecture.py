@@ -125,3 +125,26 @@ def test_every_exception_survives_pickling_with_its_fields():
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is cls and str(back) == str(error), cls
         assert {k: repr(v) for k, v in vars(back).items()} == {k: repr(v) for k, v in vars(error).items()}, cls
+
+
+def test_every_method_serve_calls_on_our_deployments_runs_on_their_event_loop():
+    """Serve runs a deployment's plain ``def`` methods in a thread pool
+    (``RAY_SERVE_RUN_SYNC_IN_THREADPOOL``, on by default), beside the event loop that owns the
+    Router's queues, leases and video jobs. helper-77: ``list_jobs`` in a thread while
+    ``create_job`` evicted on the loop made a valid video create a 500 ("dictionary changed size
+    during iteration"). So every method a handle, a health check or the routing stats can call is
+    a coroutine (or an async generator); the private ones are called from those."""
+    import inspect
+
+    from ray.serve._private.constants import RAY_SERVE_RUN_SYNC_IN_THREADPOOL
+
+    from deployments.ingress import Ingress
+    from deployments.replica import DiTReplica
+    from deployments.router import Router
+
+    assert RAY_SERVE_RUN_SYNC_IN_THREADPOOL  # what makes a plain def run off the loop
+    sync = [f"{deployment.name}.{name}" for deployment in (Router, Ingress, DiTReplica)
+            for name, method in inspect.getmembers(deployment.func_or_class, inspect.isfunction)
+            if not name.startswith("_")
+            and not (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method))]
+    assert sync == []
