@@ -97,7 +97,9 @@ def sse(events) -> StreamingResponse:
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
+# redirect_slashes off: "/v1/videos/" (an empty or "/" video id) was a 307 to the job list, which the
+# OpenAI SDK followed and read as a Video (helper-77); a path no route takes is a 404 in the envelope
+api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve", redirect_slashes=False)
 api.add_middleware(BearerAuth)
 api.add_middleware(CrossSiteGuard)  # only where no keys are configured (see the class)
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit

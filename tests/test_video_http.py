@@ -19,6 +19,7 @@ from pipeline.media import decode_mp4
 from pipeline.errors import InvalidRequestError, NotFoundError
 from pipeline.modes import GuidanceMode
 from pipeline.sampling import SamplingParams
+from tests.helpers import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -456,6 +457,19 @@ def test_a_long_video_id_is_cut_in_every_message_that_echoes_it(url):
         assert len(error["message"]) < 300 and "(5006 characters)" in error["message"], error["message"]
     refused = httpx.get(f"{url}/v1/videos/video_nope/content", params={"variant": "video", "x" * 5000: "1"})
     assert refused.status_code == 400 and len(refused.json()["error"]["message"]) < 300
+
+
+def test_a_trailing_slash_or_a_slash_for_an_id_is_a_404_envelope_not_a_redirect(url):
+    """helper-77: ``/v1/videos/`` and ``/v1/videos/%2F`` were a 307 to ``/v1/videos``, which the
+    SDK followed: ``client.videos.retrieve("/")`` returned the job list read as a Video."""
+    from openai import NotFoundError as SdkNotFoundError
+
+    for method, path in [("GET", "/v1/videos/"), ("GET", "/v1/videos/%2F"), ("DELETE", "/v1/videos/"),
+                         ("POST", "/v1/videos/"), ("GET", "/v1/videos/%2F/content"), ("GET", "/v1/models/")]:
+        answer = httpx.request(method, f"{url}{path}", timeout=30)
+        assert answer.status_code == 404 and answer.json()["error"]["code"], (method, path, answer.text)
+    with pytest.raises(SdkNotFoundError):
+        openai_client(url).videos.retrieve("/")
 
 
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
