@@ -67,7 +67,7 @@ class Job:
             created_at=int(self.created_at),
             completed_at=None if self.completed_at is None else int(self.completed_at),
             expires_at=None if self.completed_at is None else int(self.completed_at + self.ttl_s),
-            size=f"{p.width}x{p.height}", seconds=f"{p.num_frames / p.fps:g}", error=self.error,
+            size=f"{p.width}x{p.height}", seconds=f"{p.num_frames / p.fps:g}", error=self.error, prompt=p.prompt,
             ditserve=VideoJobMetadata(num_frames=p.num_frames, fps=p.fps, **{**result, "seed": p.seed}))
 
 

@@ -526,3 +526,17 @@ def test_a_size_its_output_format_cannot_encode_is_a_400_before_it_runs():
     assert info.value.param == "size"
     with pytest.raises(ValidationError, match="default_size 16x16384 has a side past 16383 pixels"):
         LimitsConfig(default_size="16x16384", max_pixels=2 ** 21)
+
+
+def test_list_params_take_a_handle_callers_numpy_integer_as_request_bodies_do():
+    """helper-77: ``list_videos(limit=np.int64(3))`` was a 400 'limit must be an integer', where a
+    numpy integer in a request body is an int (``json_like``)."""
+    import numpy as np
+
+    from pipeline.contract.videos import ListOrder, validate_list_params
+
+    assert validate_list_params(np.int64(3), "asc") == (3, ListOrder.ASC)
+    assert validate_list_params(np.uint8(0)) == (0, ListOrder.DESC)
+    for bad in (np.int64(101), np.int64(-1), True, np.float64(3.0), 3.0):
+        with pytest.raises(InvalidRequestError, match="limit must be an integer from 0 to 100"):
+            validate_list_params(bad)

@@ -96,7 +96,7 @@ def test_openai_client_creates_polls_and_downloads_an_mp4(url):
     data = client.videos.download_content(job.id).read()
     frames, fps = decode_mp4(data)
     assert frames.shape == (9, 48, 64, 3) and fps == 8  # 1 s at 8 fps -> 4·round(8/4) + 1 frames
-    assert job.seconds == "1.125" and job.size == "64x48"
+    assert job.seconds == "1.125" and job.size == "64x48" and job.prompt == "a red circle on a blue background"
     # OpenAI's thumbnail variant: the first frame (both encodings are lossy: compared loosely)
     import numpy as np
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any, ClassVar, Literal
 
@@ -205,7 +206,8 @@ class VideoJob(BaseModel):
     ``status``: queued → in_progress → completed | failed. ``progress``: 0–100, the share
     of denoising steps done. ``created_at`` / ``completed_at`` / ``expires_at``: Unix
     seconds. ``seconds``: the video's length (frames / fps) as a string, as OpenAI's field.
-    ``error``: ``{"code", "message"}`` when failed.
+    ``error``: ``{"code", "message"}`` when failed. ``prompt``: the request's prompt (OpenAI's
+    field; it was never filled, helper-77).
     """
 
     id: str
@@ -219,6 +221,7 @@ class VideoJob(BaseModel):
     size: str
     seconds: str
     error: dict[str, Any] | None = None
+    prompt: str | None = None
     ditserve: VideoJobMetadata
 
 
@@ -245,8 +248,8 @@ def validate_list_params(limit: int | str | None = None,
         count = LIST_LIMIT_DEFAULT
     elif isinstance(limit, str):
         count = int(limit) if re.fullmatch(r"-?[0-9]{1,9}", limit) else None
-    else:
-        count = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    else:  # a handle caller's numpy integer too, as in request bodies (json_like; helper-77)
+        count = int(limit) if isinstance(limit, numbers.Integral) and not isinstance(limit, bool) else None
     if count is None or not 0 <= count <= LIST_LIMIT_MAX:
         problems.append(("limit", f"limit must be an integer from 0 to {LIST_LIMIT_MAX}, got {shown(limit)}"))
     if order is not None and order not in tuple(ListOrder):
