@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 
@@ -97,13 +97,22 @@ def sse(events) -> StreamingResponse:
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-# redirect_slashes off: "/v1/videos/" (an empty or "/" video id) was a 307 to the job list, which the
-# OpenAI SDK followed and read as a Video (helper-77); a path no route takes is a 404 in the envelope
-api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve", redirect_slashes=False)
+api = FastAPI(title="ditserve", description="Diffusion Transformer generation on Ray Serve")
 api.add_middleware(BearerAuth)
 api.add_middleware(CrossSiteGuard)  # only where no keys are configured (see the class)
 api.add_middleware(AdmissionHeader)  # outermost: every answer names the app's admission limit
 install_error_handlers(api)
+
+
+# The first route: a path with an empty segment is a 404. Starlette's redirect_slashes strips every
+# trailing slash, so "/v1/videos/%2F" (client.videos.retrieve("/")) was a 307 to the job list, which
+# the OpenAI SDK followed and read as a Video (helper-77). One trailing slash still redirects, as
+# "/v1/stats/" does (helper-61).
+@api.api_route("/{before:path}//{after:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+               include_in_schema=False)
+async def _empty_path_segment(before: str, after: str):
+    raise HTTPException(status_code=404)
+
 
 # Operations of OpenAI's API (and its SDK's methods) that ditserve does not serve: a 400 saying so
 # (they were a bare 404 "Not Found", read by the SDK as "no such video", or a 405), not listed in

@@ -459,17 +459,20 @@ def test_a_long_video_id_is_cut_in_every_message_that_echoes_it(url):
     assert refused.status_code == 400 and len(refused.json()["error"]["message"]) < 300
 
 
-def test_a_trailing_slash_or_a_slash_for_an_id_is_a_404_envelope_not_a_redirect(url):
-    """helper-77: ``/v1/videos/`` and ``/v1/videos/%2F`` were a 307 to ``/v1/videos``, which the
-    SDK followed: ``client.videos.retrieve("/")`` returned the job list read as a Video."""
+def test_a_slash_for_a_video_id_is_a_404_envelope_not_a_redirect_to_the_list(url):
+    """helper-77: ``/v1/videos/%2F`` (an empty path segment) was a 307 to ``/v1/videos``, which the
+    SDK followed: ``client.videos.retrieve("/")`` returned the job list read as a Video. One trailing
+    slash still redirects, as on every route (helper-61)."""
     from openai import NotFoundError as SdkNotFoundError
 
-    for method, path in [("GET", "/v1/videos/"), ("GET", "/v1/videos/%2F"), ("DELETE", "/v1/videos/"),
-                         ("POST", "/v1/videos/"), ("GET", "/v1/videos/%2F/content"), ("GET", "/v1/models/")]:
+    for method, path in [("GET", "/v1/videos/%2F"), ("DELETE", "/v1/videos/%2F"), ("GET", "/v1/videos/%2F/content"),
+                         ("POST", "/v1/videos//"), ("GET", "/v1//models")]:
         answer = httpx.request(method, f"{url}{path}", timeout=30)
-        assert answer.status_code == 404 and answer.json()["error"]["code"], (method, path, answer.text)
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", (method, path, answer.text)
     with pytest.raises(SdkNotFoundError):
         openai_client(url).videos.retrieve("/")
+    for path in ("/v1/videos/", "/v1/models/"):
+        assert httpx.get(f"{url}{path}", follow_redirects=True, timeout=30).status_code == 200, path
 
 
 def test_deadline_passing_mid_batch_fails_the_job_for_good(url):
