@@ -25,7 +25,7 @@ from parallel.config import ParallelConfig
 from pipeline.contract.edits import ImageEditRequest
 from pipeline.contract.images import ImageGenerationRequest
 from pipeline.contract.videos import VideoGenerationRequest
-from pipeline.errors import BatchCancelled, InvalidRequestError, ReplicaUnavailableError, dropped_rows
+from pipeline.errors import BatchCancelled, InvalidRequestError, ReplicaUnavailableError, about_adapter, dropped_rows
 from pipeline.sampling import AccelerationDefaults, SamplingParams, resolve, resolve_edit, resolve_video
 from pipeline.signature import BatchSignature
 from pipeline.wire import Batch, BatchReport, ModelFacts
@@ -252,8 +252,9 @@ class DiTReplica:
         for spec in batch.requests[0].lora if batch.requests else ():
             reason = self._refused_loras.get((spec.name, spec.path))
             if reason is not None:
-                raise InvalidRequestError(f"LoRA adapter {spec.name!r} was refused when the adapter registry was "
-                                          f"updated: {reason}", param="lora", code="adapter_refused")
+                raise about_adapter(InvalidRequestError(f"LoRA adapter {spec.name!r} was refused when the adapter "
+                                                        f"registry was updated: {reason}", param="lora",
+                                                        code="adapter_refused"), spec.name)
 
     async def facts(self) -> ModelFacts:
         return self._runner.facts(ring_degree=self._parallel.ring_degree, max_steps=self._max_steps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import dataclasses
 import itertools
 import logging
@@ -91,6 +92,17 @@ def request_cost(p: SamplingParams) -> float:
     frames × n; reference images join the sequence)."""
     references = p.num_input_images if p.input_mode == InputMode.REFERENCE else 0
     return float(p.width * p.height * p.num_frames * p.n * (1 + references))
+
+
+def _for_request(error: DitServeError, params: SamplingParams) -> DitServeError:
+    """A failed batch's ``error`` as request ``params`` is answered with it: one about a LoRA
+    adapter (``pipeline.errors.about_adapter``) names the field this request named it in."""
+    adapter = getattr(error, "adapter", None)
+    if adapter is None or params.adapter_field(adapter) == error.param:
+        return error
+    own = copy.copy(error)
+    own.param = params.adapter_field(adapter)
+    return own
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
@@ -293,7 +305,8 @@ class Router:
             self._reject("adapter_refused")
             raise InvalidRequestError(f"LoRA adapter {refused[0]!r} was refused by every replica when the adapter "
                                       "registry was updated (why: /v1/stats, the replicas' live_update_refused)",
-                                      param="lora", code="adapter_refused", request_id=params.request_id)
+                                      param=params.adapter_field(refused[0]), code="adapter_refused",
+                                      request_id=params.request_id)
         self._refuse_if_unbatchable(params)
         held = self._queued + sum(len(batch) for batch in self._running.values())
         limit = self._admission_limit()
@@ -322,10 +335,12 @@ class Router:
         cost = request_cost(params)
         if self._max_batch_cost is not None and cost > self._max_batch_cost:
             self._reject("exceeds_batch")
+            fitting_n = int(self._max_batch_cost // (cost / params.n))  # n alone can fix it when >= 1 (helper-79)
             what = "size, num_frames" if params.num_frames > 1 else "size"
+            fix = f"ask for n at most {fitting_n}" if fitting_n else f"a smaller {what}"
             raise InvalidRequestError(f"this request is {cost:g} pixels x frames x n (input images included), more than "
-                                      f"one batch holds here (batching.max_batch_cost {self._max_batch_cost:g}): a "
-                                      f"smaller {what} or n", param="size", code="invalid_value",
+                                      f"one batch holds here (batching.max_batch_cost {self._max_batch_cost:g}): "
+                                      f"{fix}", param="n" if fitting_n else "size", code="invalid_value",
                                       request_id=params.request_id)
 
     async def refused_adapters(self) -> frozenset[str]:
@@ -866,7 +881,7 @@ class Router:
                     continue
                 self._reject("batch_failed")
                 if isinstance(cause, DitServeError):
-                    p.future.set_exception(cause)
+                    p.future.set_exception(_for_request(cause, p.params))
                 else:
                     p.future.set_exception(InternalError(
                         f"batch {batch.batch_id} failed ({type(cause).__name__}); request {p.params.request_id}",

@@ -24,8 +24,9 @@ class DitServeError(Exception):
         self.request_id = request_id
 
     def __reduce__(self):
-        # Exceptions pickle their positional args only; keep the keyword fields across Ray.
-        return (_rebuild, (type(self), self.message, self.param, self.code, self.request_id))
+        # Exceptions pickle their positional args only; keep the keyword fields (and any set
+        # later, such as about_adapter's) across Ray.
+        return (_rebuild, (type(self), self.message, self.param, self.code, self.request_id), self.__dict__)
 
     def to_envelope(self) -> dict:
         """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -35,6 +36,14 @@ class DitServeError(Exception):
 
 def _rebuild(cls, message, param, code, request_id):
     return cls(message, param=param, code=code, request_id=request_id)
+
+
+def about_adapter(error: DitServeError, adapter: str) -> DitServeError:
+    """``error``, a batch's error about LoRA adapter ``adapter`` (kept as its ``adapter``): the
+    Router answers each request of the batch with it naming the field that request named the
+    adapter in, ``model`` or ``lora`` (``SamplingParams.adapter_field``; helper-79)."""
+    error.adapter = adapter
+    return error
 
 
 class InvalidRequestError(DitServeError):

@@ -20,7 +20,7 @@ from pipeline.attention import AttentionSwitch, default_kernel_problems, replica
 from pipeline.cache_dit_actions import CacheDiTExecutor, preset_step_counts
 from pipeline.contract.limits import VIDEO_IMAGE_FORMAT
 from pipeline.errors import (BatchCancelled, InternalError, InvalidRequestError, LoraLoadError, OutputEncodingError,
-                             SharedFailure, record_dropped_rows)
+                             SharedFailure, about_adapter, record_dropped_rows)
 from pipeline.families import detect_family, load_family
 from pipeline.families.base import ModelFamily
 from pipeline.lora import AdapterLoadError, LoraAdapters
@@ -268,9 +268,9 @@ class BatchRunner:
                 self._execute(batch_id, action, head, schedule)
             except AdapterLoadError as exc:
                 logger.error("batch %s: %s", batch_id, exc)
-                raise LoraLoadError(f"LoRA adapter {exc.adapter!r} could not be loaded ({exc.public}); it was "
-                                    "unloaded and the replica keeps serving", param="lora",
-                                    code="lora_load_failed") from None
+                raise about_adapter(LoraLoadError(f"LoRA adapter {exc.adapter!r} could not be loaded ({exc.public}); "
+                                                  "it was unloaded and the replica keeps serving", param="lora",
+                                                  code="lora_load_failed"), exc.adapter) from None
             except Exception as exc:
                 raise StateTransitionError(f"{action.kind} {action.target or 'default'} failed: "
                                            f"{type(exc).__name__}: {exc}") from exc

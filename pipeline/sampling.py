@@ -85,7 +85,8 @@ class SamplingParams:
     defaults; made canonical by :func:`check_cache_dit`), None when off. ``cfg_gate_fraction``:
     the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
-    name (empty: the base model). Image inputs: ``input_mode`` (:class:`InputMode`),
+    name (empty: the base model); ``model_adapter``: the one of them the request's ``model``
+    selected (``"<base>:<adapter>"``), so an error about it names ``model``. Image inputs: ``input_mode`` (:class:`InputMode`),
     ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the
     ``num_inference_steps`` run), ``num_input_images``; ``images`` (RGB at ``width`` ×
     ``height``) and ``mask`` (its alpha) are per request, like the prompt.
@@ -117,12 +118,17 @@ class SamplingParams:
     boundary_ratio: float | None = None  # None: the model's own
     fps: int = 0
     lora: tuple[LoraSpec, ...] = ()
+    model_adapter: str | None = None
     partial_images: int = 0  # streamed previews (decoded for this request's rows only)
     input_mode: InputMode = InputMode.TEXT
     strength: float | None = None
     num_input_images: int = 0
     images: tuple[ImageArray, ...] = ()
     mask: ImageArray | None = None
+
+    def adapter_field(self, name: str) -> str:
+        """The request field that named adapter ``name``: ``model`` or ``lora``."""
+        return "model" if name == self.model_adapter else "lora"
 
     @property
     def effective_steps(self) -> int:
@@ -194,10 +200,11 @@ def _guidance(request, limits: ServingLimits) -> dict:
             "embedded_guidance_scale": None, "negative_prompt": (request.negative_prompt or "") if guided else None}
 
 
-def _loras(request, limits: ServingLimits) -> tuple[LoraSpec, ...]:
-    """The request's adapter set: the ``model`` adapter (``"<base>:<adapter>"``) and ``lora``."""
+def _loras(request, limits: ServingLimits) -> dict:
+    """The request's adapter set (``lora``): the ``model`` adapter (``"<base>:<adapter>"``;
+    ``model_adapter``) and ``lora``."""
     adapter = None if request.model is None else split_model(request.model, limits.model_name)
-    return resolve_loras(request.lora, adapter, limits.loras)
+    return {"lora": resolve_loras(request.lora, adapter, limits.loras), "model_adapter": adapter}
 
 
 def _seed(request) -> int:
@@ -258,7 +265,7 @@ def _resolve_image(request: ImageGenerationRequest, limits: ServingLimits, defau
         output_compression=request.output_compression,
         timeout_s=request.timeout_s,
         priority=Priority(request.priority or limits.default_image_priority),
-        lora=_loras(request, limits),
+        **_loras(request, limits),
         partial_images=request.partial_images or 0,
         **_guidance(request, limits),
         **_acceleration(request, defaults),
@@ -320,7 +327,7 @@ def resolve_video(request: VideoGenerationRequest, limits: ServingLimits,
         response_format="mp4",
         timeout_s=request.timeout_s,
         priority=Priority(request.priority or limits.default_video_priority),
-        lora=_loras(request, limits),
+        **_loras(request, limits),
         cfg_scale_2=request.guidance_scale_2,
         boundary_ratio=request.boundary_ratio,
         fps=request.fps or limits.default_fps,

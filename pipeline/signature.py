@@ -45,6 +45,7 @@ SIGNATURE_TABLE: dict[str, bool] = {
     "boundary_ratio": True,     # which expert runs which step
     "fps": False,               # only the MP4 container's frame rate
     "lora": True,               # the adapter set (names, scales, files): replica state
+    "model_adapter": False,     # which field named an adapter (errors name it): the set is `lora`
     "partial_images": False,    # previews decode this request's rows at a few steps; the batch runs the same
     "input_mode": True,         # text, image-to-image, inpainting, reference, image-to-video: what each step runs
     "strength": True,           # which timesteps run (and so Cache-DiT's step count)

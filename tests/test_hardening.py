@@ -555,7 +555,7 @@ def test_a_handle_callers_python_values_are_read_as_json_brings_them():
     """helper-74: through a handle, a numpy seed was a 400 'valid integer' and a tuple a 400
     'valid list'; an edit's image as base64 text was told 'at most 2000 characters' as if a
     shorter string would do. Integral numbers are ints and tuples lists; a file given as text is
-    told to be bytes, at any length. Booleans stay booleans (not 0/1)."""
+    told to be bytes, at any length. Booleans stay booleans (not 0/1), numpy's too."""
     import numpy as np
 
     from pipeline.contract.edits import validate_edit_request
@@ -567,6 +567,12 @@ def test_a_handle_callers_python_values_are_read_as_json_brings_them():
     assert (request.seed, request.num_inference_steps) == (3, 8) and type(request.seed) is int
     assert list(request.cache_dit_params.scm_cache_bins) == [4]  # a tuple was a 400 'valid list'
     assert refused({"prompt": "a", "seed": True}).param == "seed"
+    assert refused({"prompt": "a", "seed": np.True_}).param == "seed"
+    # numpy's booleans are booleans (helper-79: np.True_ was a 400 'valid boolean'); its floats floats
+    flags = validate_image_request({"prompt": "a", "enable_cache_dit": np.True_, "stream": np.False_,
+                                    "guidance_scale": np.float32(2.5), "cfg_gate_step": np.float64(0.5)}, LIMITS)
+    assert (flags.enable_cache_dit, flags.stream, flags.guidance_scale, flags.cfg_gate_step) == (True, False, 2.5, 0.5)
+    assert type(flags.enable_cache_dit) is bool
     with pytest.raises(InvalidRequestError) as info:
         validate_edit_request({"prompt": "a", "image": "iVBORw0KGgo" * 1000}, LIMITS)
     assert info.value.param == "image" and info.value.message.startswith("image: expected file bytes (an upload; ")

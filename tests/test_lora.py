@@ -61,6 +61,29 @@ def test_model_names_an_adapter():
     assert [s.name for s in both.lora] == ["magenta", "outline"]
 
 
+def test_an_error_about_an_adapter_names_the_field_each_request_named_it_in():
+    """helper-79: a batch's error about an adapter (``adapter_refused``, ``lora_load_failed``)
+    named ``lora`` for a request that had named the adapter by ``model``. The Router answers each
+    request of the batch with the field it used, across Ray's pickling of the error too."""
+    import pickle
+
+    from deployments.router import _for_request
+    from pipeline.errors import about_adapter
+
+    by_model = resolve(_validate({"model": "tiny-flux:magenta", "lora": [{"name": "outline"}]}), LIMITS)
+    by_lora = resolve(_validate({"lora": [{"name": "magenta"}, {"name": "outline"}]}), LIMITS)
+    assert BatchSignature.of(by_model) == BatchSignature.of(by_lora)  # one batch: the field is not in the signature
+    assert (by_model.adapter_field("magenta"), by_model.adapter_field("outline")) == ("model", "lora")
+    assert by_lora.adapter_field("magenta") == "lora"
+    error = pickle.loads(pickle.dumps(about_adapter(
+        LoraLoadError("LoRA adapter 'magenta' could not be loaded", param="lora", code="lora_load_failed"), "magenta")))
+    own = _for_request(error, by_model)
+    assert (type(own), own.param, own.code, own.message) == (LoraLoadError, "model", "lora_load_failed", error.message)
+    assert error.param == "lora" and _for_request(error, by_lora) is error  # the batch-mates' answers are their own
+    plain = InvalidRequestError("x", param="lora")
+    assert _for_request(plain, by_model) is plain  # an error about no adapter is answered as raised
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"lora": [{"name": "nope"}]}, 404, "LoRA adapter 'nope' is not registered"),
     ({"model": "tiny-flux:nope"}, 404, "available: 'tiny-flux', 'tiny-flux:magenta', 'tiny-flux:outline'"),

@@ -123,7 +123,10 @@ def test_adapter_file_broken_at_load_time_fails_its_batch_only(client, url, frag
     response = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "fragile"}]})
     error = response.json()["error"]
     assert response.status_code == 500 and error["code"] == "lora_load_failed" and "'fragile'" in error["message"]
-    assert str(fragile) not in error["message"]
+    assert str(fragile) not in error["message"] and error["param"] == "lora"
+    # named by model, the error names model (helper-79: it named lora, a field the request had not given)
+    error = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "model": "tiny-flux:fragile"}).json()["error"]
+    assert (error["code"], error["param"]) == ("lora_load_failed", "model"), error
     image, _ = _image(client)  # the replica keeps serving
     assert image.shape == (64, 64, 3)
 
@@ -223,6 +226,8 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["code"] == "adapter_refused" and "'bad'" in refused.json()["error"]["message"]
         assert refused.json()["error"]["param"] == "lora"  # the field, as lora_load_failed names it
+        by_model = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "model": "tiny-flux:bad"}).json()["error"]
+        assert (by_model["code"], by_model["param"]) == ("adapter_refused", "model"), by_model  # helper-79
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         # Refused by every replica (their routing stats say so): /v1/models leaves it out (it
         # listed it) and the Router refuses its requests at admission, before they queue
@@ -232,6 +237,8 @@ def test_a_live_registry_change_adds_an_adapter_without_a_restart(url, lora_args
         refused = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "lora": [{"name": "bad"}]})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "adapter_refused", refused.text
         assert refused.json()["error"]["param"] == "lora" and "every replica" in refused.json()["error"]["message"]
+        by_model = post(url, {"prompt": "a red circle", "seed": 1, **FAST, "model": "tiny-flux:bad"}).json()["error"]
+        assert (by_model["code"], by_model["param"]) == ("adapter_refused", "model"), by_model
         assert stats(url)["counters"]["rejected_adapter_refused"] >= 1
         # The file fixed, a replica that starts now (scaling up, a replacement) takes it: batches
         # naming it go there, not to the replicas that refused it (each answered 400 on its turn)

@@ -551,6 +551,17 @@ def test_user_config_changes_batching_without_a_restart(ray_cluster):
         assert "batching.max_batch_cost 4095 < 4096" in refused()["error"], refused()
         assert stats(url)["batching"]["max_batch_cost"] is None
         assert post(url, {"prompt": "fits", "seed": 1, **FAST}).status_code == 200
+        # past max_batch_cost by n alone, the refusal names n and the n that fits; by size, size
+        # (helper-79: n=3 at the default size was told param 'size')
+        _deploy_config(one, {"max_wait_ms": 15, "max_batch_cost": 2 * 64 * 64},
+                       ({"name": "Ingress", "max_ongoing_requests": 80 + 4,
+                         "user_config": {"acceleration": {"attention_backend": "torch_sdpa"}}},
+                        {"name": "DiTReplica", "num_replicas": 2}))
+        wait_until(lambda: stats(url)["batching"]["max_batch_cost"] == 2 * 64 * 64, timeout=60)
+        many = post(url, {"prompt": "many", "seed": 1, "n": 3, **FAST}).json()["error"]
+        assert many["param"] == "n" and "ask for n at most 2" in many["message"], many
+        wide = post(url, {"prompt": "wide", "seed": 1, **FAST, "size": "128x128"}).json()["error"]
+        assert wide["param"] == "size" and "a smaller size" in wide["message"], wide
     finally:
         serve.delete("ditserve")  # the next test deploys afresh, also after a failure here
 

@@ -13,6 +13,7 @@ import functools
 import math
 import numbers
 import re
+import sys
 from typing import Any, ClassVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -573,15 +574,20 @@ def check_shape(body: dict, limits: ServingLimits) -> None:
 
 def json_like(value):
     """A handle caller's Python values as JSON brings them: integral numbers other than ``int``
-    (numpy's ``int64``, ...; not ``bool``) as ``int``, tuples as lists (helper-74: a numpy seed
-    was a 400 'valid integer', a tuple of adapters one of 'valid list'). Bytes-like values and
-    everything else unchanged; call after :func:`check_shape` (it bounds the walk)."""
+    (numpy's ``int64``, ...; not ``bool``) as ``int``, numpy's ``bool_`` as ``bool``, tuples as
+    lists (helper-74: a numpy seed was a 400 'valid integer', a tuple of adapters one of 'valid
+    list'; helper-79: ``np.True_`` one of 'valid boolean'; numpy floats already pass as floats).
+    Bytes-like values and everything else unchanged; call after :func:`check_shape` (it bounds
+    the walk)."""
     if isinstance(value, dict):
         return {key: json_like(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_like(v) for v in value]
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
         return int(value)
+    numpy = sys.modules.get("numpy")  # a numpy value means numpy is imported: never imported here
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
     return value
 
 
