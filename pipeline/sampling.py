@@ -86,7 +86,8 @@ class SamplingParams:
     the request's ``cfg_gate_step``.
     ``fps`` only matters to the MP4 container. ``lora``: the LoRA adapters to apply, sorted by
     name (empty: the base model); ``model_adapter``: the one of them the request's ``model``
-    selected (``"<base>:<adapter>"``), so an error about it names ``model``. Image inputs: ``input_mode`` (:class:`InputMode`),
+    selected (``"<base>:<adapter>"``), so an error about it names ``model``. Image inputs:
+    ``input_mode`` (:class:`InputMode`),
     ``strength`` (image-to-image and inpainting; :attr:`effective_steps` of the
     ``num_inference_steps`` run), ``num_input_images``; ``images`` (RGB at ``width`` ×
     ``height``) and ``mask`` (its alpha) are per request, like the prompt.
