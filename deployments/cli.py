@@ -834,8 +834,8 @@ def _streamed(events, base_url: str, output: Path, previews: Path, on_event=None
     case), the final image to ``output``; return the ``ditserve`` metadata. Raises
     :class:`BadAnswer` if the stream ends without its ``completed`` event. Once the stream
     answers, an earlier run's previews in ``previews`` (``partial-<index>.<png|jpg|jpeg|webp>``,
-    in any case) are removed, so the directory
-    holds this request's only (a run with fewer previews left the others beside them)."""
+    in any case) are removed, so the directory holds this request's only (a run with fewer
+    previews left the others beside them)."""
     fresh = False
     for event in events:
         if not fresh:
@@ -1451,8 +1451,9 @@ def _request_extra(ns) -> dict | None:
 
 
 def _with_preview_bar(ns, call):
-    """``call(on_event)`` with a progress bar over the streamed events (drawn once the first
-    arrives, closed before the result or a failure line is printed): its result and exit code."""
+    """``call(on_event)`` with a progress bar over the streamed images, the previews and the final
+    one ("images: 4/4" for 3 previews; helper-78: it was labelled "previews"), drawn once the first
+    arrives, closed before the result or a failure line is printed: its result and exit code."""
     from tqdm import tqdm
 
     bars = []
@@ -1461,7 +1462,7 @@ def _with_preview_bar(ns, call):
         if not bars:
             asked = previews_asked(ns.extra)  # what the server accepted (ditserve's: 0..3)
             total = asked + 1 if isinstance(asked, int) and 0 <= asked <= 100 else None  # None: no total
-            bars.append(tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="image", desc="previews",
+            bars.append(tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="image", desc="images",
                              bar_format="{desc}: {n}" + ("/{total}|{bar}|" if total else "") + " {elapsed}"))
         bars[0].update(1)
 

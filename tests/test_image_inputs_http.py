@@ -204,7 +204,7 @@ def test_cli_edit_turns_a_red_circle_bluer(url, tmp_path, capsys):
                  '{"extra_body": {"partial_images": 1}}']) == 0
     assert np.array_equal(np.asarray(Image.open(streamed)), np.asarray(Image.open(out)))  # the same pixels
     assert [p.name for p in previews.iterdir()] == ["partial-0.png"]
-    assert "previews: 2/2" in capsys.readouterr().err
+    assert "images: 2/2" in capsys.readouterr().err
     assert main(["edit", str(source), "x", "--strength", "2", "-o", str(out), "--url", url]) == 1
     assert "error 400" in capsys.readouterr().err
 

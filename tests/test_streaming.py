@@ -152,12 +152,12 @@ def test_cli_streams_and_saves_previews(url, tmp_path, capsys):
                  "--stream-previews", str(previews)]) == 0
     assert Image.open(out).size == (64, 64)
     assert sorted(p.name for p in previews.iterdir()) == ["partial-0.png", "partial-1.png", "partial-2.png"]
-    assert "previews: 4/4" in capsys.readouterr().err  # the progress bar saw every event
+    assert "images: 4/4" in capsys.readouterr().err  # the progress bar saw every event: 3 previews, the image
     # 2 steps give one preview: the bar ends full (it stayed at 2/4)
     assert main(["generate", "a red circle", "-o", str(out), "--url", url, "--size", "64x64", "--steps", "2",
                  "--stream-previews", str(tmp_path / "few")]) == 0
     assert sorted(p.name for p in (tmp_path / "few").iterdir()) == ["partial-0.png"]
-    assert "previews: 2/2" in capsys.readouterr().err
+    assert "images: 2/2" in capsys.readouterr().err
     # into the first run's directory: its previews go (partial-1, -2 stayed beside the new -0),
     # other files stay
     (previews / "notes.txt").write_text("mine")
