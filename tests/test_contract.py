@@ -387,6 +387,13 @@ def test_a_video_that_cannot_split_names_its_frames_beside_its_size():
     message = str(info.value)
     assert info.value.param == "size" and "size 48x48 with num_frames giving 3 latent frames" in message, message
     assert "(48/16)·(48/16)·3 = 27 latent tokens" in message and "multiple of 2" in message
+    # the frames each field gives are named by it; with neither, the default's (helper-80: "seconds")
+    nine = dataclasses.replace(wan, default_num_frames=9)
+    for body, said in (({"seconds": 1, "fps": 8}, "with seconds giving 3 latent frames"),
+                       ({}, "with the default num_frames (9, limits.default_num_frames) giving 3 latent frames")):
+        with pytest.raises(InvalidRequestError) as info:
+            validate_video_request({"prompt": "a ball", "size": "48x48", **body}, nine)
+        assert info.value.param == "size" and said in str(info.value), str(info.value)
 
 
 def test_null_in_cache_dit_params_is_unset():

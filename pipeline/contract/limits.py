@@ -158,7 +158,9 @@ def split_problem(width: int, height: int, limits: ServingLimits, latent_frames:
     video's) cannot be split across the replica's sequence-parallel ranks (None: it can),
     naming the numbers and the rule: ``(width/f)·(height/f)·latent_frames`` latent tokens
     (``f``: ``spatial_factor``) must be a multiple of ``world_size``. ``frames_field``: the
-    request field that set the frames (``num_frames`` / ``seconds``), named beside ``size``."""
+    request field that set the frames (``num_frames`` / ``seconds``), named beside ``size``; None:
+    the request gave neither, the frames are ``limits.default_num_frames`` (helper-80: such a
+    request was told its ``seconds`` gave them)."""
     f = limits.spatial_factor
     tokens = latent_frames * (width // f) * (height // f)
     if splits_evenly(tokens, limits):
@@ -166,7 +168,8 @@ def split_problem(width: int, height: int, limits: ServingLimits, latent_frames:
     world = limits.world_size
     per_frame = f"({width}/{f})·({height}/{f})"
     if latent_frames > 1:
-        return (f"size {width}x{height} with {frames_field or 'num_frames'} giving {latent_frames} latent frames is "
+        source = frames_field or f"the default num_frames ({limits.default_num_frames}, limits.default_num_frames)"
+        return (f"size {width}x{height} with {source} giving {latent_frames} latent frames is "
                 f"{per_frame}·{latent_frames} = {tokens} latent tokens, which cannot be split evenly across the "
                 f"replica's {world} sequence-parallel ranks; allowed: a size and frame count whose latent tokens "
                 f"(width/{f})·(height/{f})·latent frames are a multiple of {world}")

@@ -138,7 +138,8 @@ class VideoGenerationRequest(GenerationRequest):
         if not limits:
             return self
         frames = self.frames(limits)
-        field = "num_frames" if self.num_frames is not None else "seconds"
+        given = "num_frames" if self.num_frames is not None else "seconds" if self.seconds is not None else None
+        field = given or "num_frames"  # the field that sets the frames (neither given: the default's)
         factor = limits.temporal_factor
         if frames < 1 or (factor and (frames - 1) % factor):
             raise ValueError(f"num_frames must be {factor}·k + 1 (the VAE's temporal factor is {factor}), "
@@ -151,7 +152,7 @@ class VideoGenerationRequest(GenerationRequest):
             most = (limits.max_latent_frames - 1) * max(factor, 1) + 1
             raise ValueError(f"{field}: {frames} frames are {latent_frames} latent frames; this model's position "
                              f"table covers {limits.max_latent_frames} (at most {most} frames)")
-        self.check_split(limits, latent_frames, field)
+        self.check_split(limits, latent_frames, given)
         return self
 
 
