@@ -8,6 +8,8 @@ API) is the private client's ``deploy_apps``.
 
 from __future__ import annotations
 
+import os
+
 from compat import CompatError, Reliance, missing
 
 DISTRIBUTION = "ray"
@@ -167,6 +169,15 @@ def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:
             pass
 
     prober = threading.Thread(target=attempt, name="ditserve-gcs-probe", daemon=True)
-    prober.start()
-    prober.join(timeout_s)
+    # Ray's C++ client logs its refusal to stderr ("gcs_client.cc:...: Failed to get cluster ID
+    # ...") above the caller's one line (helper-81): its descriptor points at /dev/null meanwhile
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        prober.start()
+        prober.join(timeout_s)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
     return refused[0] if refused else None

@@ -76,6 +76,11 @@ def unknown_keys(value, model: type[pydantic.BaseModel], where: str = "") -> lis
 APP_IMPORT_PATH = "deployments.app:build_app"  # the ditserve application of a Serve config file
 # An application's fields in a Serve config file that `ditserve serve` applies (the others it refuses)
 APPLIED_APP_FIELDS = ("name", "import_path", "route_prefix", "args", "deployments")
+# The file's Serve-wide fields `ditserve serve` gives serve.start (http_options' host and port
+# as --host/--port leave them); it refuses the others (helper-81: they were dropped unsaid)
+APPLIED_SERVE_FIELDS = ("http_options", "grpc_options", "logging_config", "tracing_config", "controller_options")
+# http_options fields it refuses: HTTPS, where the URL it prints and its checks are plain HTTP's
+UNAPPLIED_HTTP_FIELDS = ("ssl_keyfile", "ssl_certfile", "ssl_keyfile_password", "ssl_ca_certs")
 
 
 def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
@@ -109,11 +114,18 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
             schema = ServeDeploySchema.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise CannotStart(f"{path}: {validation_line(exc)}") from None
-    except (AttributeError, TypeError, ValueError) as exc:  # Serve's own validators, given a null or a list
+    except (ImportError, AttributeError) as exc:  # Serve imports an autoscaling_config's policy as it reads the file
+        apps = raw.get("applications")
+        paths = [found for i, app in enumerate(apps if isinstance(apps, list) else ())
+                 for found in _import_paths(app.get("deployments") if isinstance(app, dict) else None,
+                                            f"applications[{i}].deployments")]
+        if isinstance(exc, ImportError) or any(exc.name and exc.name in value for _, value in paths):
+            raise CannotStart(f"{path}: {_import_problem(exc, paths)}") from None
+        raise CannotStart(f"{path}: not a Serve config (AttributeError: {_first_line(exc)}); an entry may be null or "
+                          "of the wrong type") from None
+    except (TypeError, ValueError) as exc:  # Serve's own validators, given a null or a list
         raise CannotStart(f"{path}: not a Serve config ({type(exc).__name__}: {_first_line(exc)}); "
                           "an entry may be null or of the wrong type") from None
-    except ImportError as exc:  # Serve imports an autoscaling_config's policy as it reads the file
-        raise CannotStart(f"{path}: {_import_problem(exc)}") from None
     flags = _booleans_as_numbers(raw)
     if flags:
         raise CannotStart(f"{path}: {flags[0]}: takes a number, not {str(flags[1]).lower()}")
@@ -133,11 +145,18 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
                               "DiTReplica's own (RouterQueuePolicy, on the Router's queue) and Serve says it is not "
                               "yet supported; scale DiTReplica with replica.autoscaling or its deployments entry's "
                               "autoscaling_config")
+    given = schema.model_dump(exclude_unset=True)
+    applied = (*APPLIED_SERVE_FIELDS, *(("proxy_location",) if schema.proxy_location != "Disabled" else ()))
+    serve_options = {field: value for field, value in given.items() if field in applied}
+    not_served = [*(f"http_options.{field}" for field in given.get("http_options", {})
+                    if field in UNAPPLIED_HTTP_FIELDS),
+                  *(field for field in given if field not in (*applied, "applications"))]
     apps = [{"name": app.name, "args": app.args or {}, "route_prefix": app.route_prefix or "/",
              "deployments": [d.model_dump(exclude_unset=True) for d in app.deployments],
              "http_options": schema.http_options.model_dump(), "runtime_env": app.runtime_env or {},
-             "not_applied": [f"applications[{i}].{field}" for field in app.model_dump(exclude_unset=True)
-                             if field not in APPLIED_APP_FIELDS]}
+             "serve_options": serve_options,
+             "not_applied": [*not_served, *(f"applications[{i}].{field}" for field in app.model_dump(exclude_unset=True)
+                                            if field not in APPLIED_APP_FIELDS)]}
             for i, app in enumerate(schema.applications) if _is_ditserve(app.import_path)]
     if not apps:
         raise CannotStart(f"{path}: no application with import_path {APP_IMPORT_PATH}")
@@ -274,8 +293,11 @@ def _is_ditserve(import_path: str) -> bool:
 def load_serve_config(path: str | Path) -> dict:
     """:func:`load_serve_configs` for a file of one application, the ditserve one, which
     ``ditserve serve`` runs. Raises :class:`CannotStart` also for a file of several (only the
-    first was run, the others silently left out), and for an application field the in-process
-    deploy does not apply (``runtime_env``, ``logging_config``, ...: silently dropped before)."""
+    first was run, the others silently left out), and for a field the in-process deploy does not
+    apply (an application's ``runtime_env``, ``logging_config``, ...; the file's
+    ``target_capacity``, ``proxy_location: Disabled``, ``http_options``' ``ssl_*``: silently
+    dropped before). The file's other Serve-wide fields are given to ``serve.start``
+    (``serve_options``)."""
     apps, others = load_serve_configs(path)
     if len(apps) + len(others) > 1:
         names = ", ".join(repr(name) for name in [*(app["name"] for app in apps), *others])
@@ -319,7 +341,12 @@ class CannotStart(RuntimeError):
 
 
 def _first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (Ray's and Serve's run to many), else its type's name."""
+    """The first line of ``exc``'s message (Ray's and Serve's run to many), else its type's name;
+    for an error an actor raised, its own (``cause``: helper-81, Serve's "Prefix / is being used by
+    application ..." was told as the controller's "ray::ServeController.deploy_applications() (pid=...")."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        exc = cause
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -424,8 +451,11 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad application args: {validation_line(exc, 'args')}") from None
     except (ValueError, TypeError) as exc:  # a deployments entry naming no deployment, Serve refusing an option
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
-    except ImportError as exc:  # an autoscaling_config policy (or another import path) Serve cannot import
-        raise CannotStart(f"bad config: {_import_problem(exc)}") from None
+    except (ImportError, AttributeError) as exc:  # an import path (an autoscaling_config policy) Serve cannot import
+        paths = _import_paths(deployments)
+        if isinstance(exc, AttributeError) and not any(exc.name and exc.name in value for _, value in paths):
+            raise
+        raise CannotStart(f"bad config: {_import_problem(exc, paths)}") from None
     default = AccelerationConfig.model_fields["compile_backend"].default
     _check_compile_backend((args.get("acceleration") or {}).get("compile_backend", default))  # args passed
     return app
@@ -525,9 +555,35 @@ def _check_compile_backend(backend: str) -> None:
                           f"torch.compile has no backend {backend!r}; it has {', '.join(known)}") from None
 
 
-def _import_problem(exc: ImportError) -> str:
-    """An import path of the config that does not import, in words."""
-    return (f"cannot import {exc.name or 'a module'} ({_first_line(exc)}), named by an import path in the config "
+# The import paths a deployments entry may give, which Serve imports as it reads the file
+_IMPORT_PATH_FIELDS = (("autoscaling_config", "policy", "policy_function"),
+                       ("request_router_config", "request_router_class"))
+
+
+def _import_paths(deployments: object, prefix: str = "deployments") -> list[tuple[str, str]]:
+    """(field, import path) of each import path ``deployments`` (a ``deployments`` section, as
+    written) gives, the field named under ``prefix``."""
+    found = []
+    for j, entry in enumerate(deployments if isinstance(deployments, list) else ()):
+        for keys in _IMPORT_PATH_FIELDS:
+            value = entry
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, str):
+                found.append((f"{prefix}[{j}].{'.'.join(keys)}", value))
+    return found
+
+
+def _import_problem(exc: ImportError | AttributeError, paths: list[tuple[str, str]]) -> str:
+    """An import path of the config that does not import (no such module, or no such name in
+    it: ``exc``), in words naming its field among ``paths`` (:func:`_import_paths`; helper-81: a
+    name missing from its module was "not a Serve config ... null or of the wrong type")."""
+    missing = exc.name or ""
+    for field, value in paths:
+        if missing and (value == missing or missing in re.split(r"[.:]", value) or value.startswith(missing + ".")):
+            return f"{field}: cannot import {value!r} ({_first_line(exc)})"
+    what = exc.name if isinstance(exc, ImportError) and exc.name else "a name"
+    return (f"cannot import {what} ({_first_line(exc)}), named by an import path in the config "
             "(an autoscaling_config policy's policy_function?)")
 
 
@@ -550,9 +606,11 @@ def shutdown_grace_s(args: dict, deployments: list[dict] | None = None) -> float
 
 def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_prefix: str = "/",
               num_cpus: int | None = None, address: str | None = "local",
-              deployments: list[dict] | None = None, on_wait=None) -> Served:
+              deployments: list[dict] | None = None, on_wait=None, serve_options: dict | None = None) -> Served:
     """Deploy the app (``bind_app(args, deployments)``: ``deployments``, a config file's
-    per-deployment options) as application ``name`` at ``route_prefix``.
+    per-deployment options) as application ``name`` at ``route_prefix``. ``serve_options``: a
+    config file's Serve-wide fields for ``serve.start`` (``http_options``, ``grpc_options``,
+    ``proxy_location``, ...), ``http_options``' host and port replaced by ``host`` and ``port``.
 
     ``address`` is ``ray.init``'s: ``"local"`` (default) starts a new local cluster with
     ``num_cpus`` CPUs, whatever else runs on this machine; ``"auto"`` or ``HOST:PORT`` joins that
@@ -610,7 +668,8 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
                               f"{ray.get_runtime_context().gcs_address}; `ditserve serve` does not replace it: name "
                               "yours otherwise in --config (applications[].name), or delete that one first")
         try:
-            serve.start(http_options={"host": host, "port": port})
+            options = serve_options or {}
+            serve.start(**{**options, "http_options": {**options.get("http_options", {}), "host": host, "port": port}})
         except Exception as exc:  # noqa: BLE001 - the proxy's bind, raised through its actor
             if "Failed to bind" not in str(exc):
                 raise
@@ -1200,6 +1259,7 @@ def _serve_until_stopped(ns) -> int:
         address = ns.address or os.environ.get("RAY_ADDRESS") or "local"
         served = start_app(config["args"], host=host, port=port, name=config["name"],
                            route_prefix=config["route_prefix"], address=address, deployments=config.get("deployments"),
+                           serve_options=config.get("serve_options"),
                            on_wait=lambda line: print(f"waiting: {line}", file=sys.stderr, flush=True))
     except CannotStart as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -650,6 +650,7 @@ def _serve_fails(*args: str, env: dict | None = None) -> str:
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # after Ray's INFO lines
     assert len(ours) == 1 and proc.stderr.endswith(ours[0] + "\n") and "Traceback" not in proc.stderr, \
         proc.stderr[-3000:]
+    assert ".cc:" not in proc.stderr, proc.stderr[-3000:]  # Ray's C++ log lines (helper-81: a refused token's)
     return ours[0]
 
 
@@ -771,6 +772,12 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     said = _serve_fails("--address", ray_cluster["gcs_address"], env=auth)  # the default config: 'ditserve'
     assert "an application named 'ditserve' already runs" in said
     assert serve.status().applications["ditserve"].status == "RUNNING"
+    # another name at the route prefix 'ditserve' serves: Serve's reason, not its controller's frame (helper-81)
+    other = {"applications": [{"name": "other", "route_prefix": "/", "import_path": "deployments.app:build_app"}]}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    said = _serve_fails("--address", ray_cluster["gcs_address"], "--config", str(tmp_path / "other.yaml"), env=auth)
+    assert "Serve refused application 'other': Prefix / is being used by application \"ditserve\"" in said, said
+    assert "ServeController" not in said and "other" not in serve.status().applications
     config = {"applications": [{"name": "cli-joined", "route_prefix": "/joined", "import_path": "deployments.app:build_app",
                                 "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}},
                                 # the file's deployments section applies as with `serve deploy` (it was dropped)
@@ -893,7 +900,17 @@ def _tiny_cpu_config(mutate) -> dict:
      "DiTReplica's autoscaling_config.min_replicas must be at least 1, got 0"),
     # a traceback ending in ModuleNotFoundError
     (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {
-        "max_replicas": 2, "policy": {"policy_function": "nope.nope:f"}}}]), "cannot import nope (No module named 'nope'), named by an import path"),
+        "max_replicas": 2, "policy": {"policy_function": "nope.nope:f"}}}]),
+     "serve.yaml: applications[0].deployments[0].autoscaling_config.policy.policy_function: cannot import "
+     "'nope.nope:f' (No module named 'nope')"),
+    # a name its module lacks (helper-81: "not a Serve config ... an entry may be null or of the wrong type")
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {
+        "max_replicas": 2, "policy": {"policy_function": "deployments.autoscaling:NoSuchPolicy"}}}]),
+     "applications[0].deployments[0].autoscaling_config.policy.policy_function: cannot import "
+     "'deployments.autoscaling:NoSuchPolicy' (module 'deployments.autoscaling' has no attribute 'NoSuchPolicy')"),
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "request_router_config": {
+        "request_router_class": "deployments.replica_chooser:NoSuchRouter"}}]),
+     "applications[0].deployments[0].request_router_config.request_router_class: cannot import "),
     # a MemoryError (a list of 2**60 bundles)
     (lambda c, a: a["args"].update(parallel={"ulysses_degree": 2**30, "ring_degree": 2**30}),
      "world_size = cfg_degree x ulysses_degree x ring_degree = 1152921504606846976: at most 1024"),
@@ -1094,6 +1111,40 @@ def test_serve_refuses_an_application_field_it_would_not_apply(tmp_path, capsys,
     assert err == (f"error: {path}: applications[0].runtime_env: `ditserve serve` deploys the application "
                    f"in-process and does not apply this field; deploy the file with `serve run {path}` (or `serve "
                    "deploy`), or leave it out\n"), err
+
+
+def test_serve_gives_serve_start_the_files_serve_wide_fields_and_refuses_those_it_cannot(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """helper-81: ``ditserve serve`` started Serve with ``http_options``' host and port only, so
+    the file's ``request_timeout_s``, ``keep_alive_timeout_s``, ``proxy_location``,
+    ``grpc_options`` and ``target_capacity`` were dropped without a word (``--check`` passed
+    them, as it should: ``serve deploy`` applies them). Now those ``serve.start`` takes are
+    given to it, and the rest refused naming them; ``--check`` still passes all."""
+    import ray
+    import yaml
+
+    from deployments.cli import load_serve_config
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
+    http = {"request_timeout_s": 1.5, "keep_alive_timeout_s": 7}
+    given = _tiny_cpu_config(lambda c, app: (c["http_options"].update(http),
+                                             c.update(proxy_location="HeadOnly", grpc_options={"port": 9123})))
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(given))
+    options = load_serve_config(path)["serve_options"]
+    assert options["http_options"] == {**given["http_options"], **http}, options
+    assert options["proxy_location"] == "HeadOnly" and options["grpc_options"]["port"] == 9123, options
+    for mutate, field in ((lambda c, app: c.update(target_capacity=50), "target_capacity"),
+                          (lambda c, app: c.update(proxy_location="Disabled"), "proxy_location"),
+                          (lambda c, app: c["http_options"].update(ssl_certfile="/x.pem", ssl_keyfile="/x.key"),
+                           "http_options.ssl_keyfile, http_options.ssl_certfile")):
+        path.write_text(yaml.safe_dump(_tiny_cpu_config(mutate)))
+        assert main(["serve", "--config", str(path), "--check"]) == 0
+        capsys.readouterr()
+        assert main(["serve", "--config", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path}: {field}: `ditserve serve` deploys the application in-process and "
+                              f"does not apply {'these fields' if ', ' in field else 'this field'};"), err
 
 
 def test_check_notes_key_sources_this_machine_cannot_confirm(tmp_path, capsys, monkeypatch):
