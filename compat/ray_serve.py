@@ -171,13 +171,19 @@ def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:
     prober = threading.Thread(target=attempt, name="ditserve-gcs-probe", daemon=True)
     # Ray's C++ client logs its refusal to stderr ("gcs_client.cc:...: Failed to get cluster ID
     # ...") above the caller's one line (helper-81): its descriptor points at /dev/null meanwhile
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 2)
+        saved = os.dup(2)
+    except OSError:  # no stderr (closed): nothing to keep quiet
+        saved = None
+    try:
+        if saved is not None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
         prober.start()
         prober.join(timeout_s)
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
     return refused[0] if refused else None

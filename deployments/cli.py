@@ -77,8 +77,10 @@ APP_IMPORT_PATH = "deployments.app:build_app"  # the ditserve application of a S
 # An application's fields in a Serve config file that `ditserve serve` applies (the others it refuses)
 APPLIED_APP_FIELDS = ("name", "import_path", "route_prefix", "args", "deployments")
 # The file's Serve-wide fields `ditserve serve` gives serve.start (http_options' host and port
-# as --host/--port leave them); it refuses the others (helper-81: they were dropped unsaid)
-APPLIED_SERVE_FIELDS = ("http_options", "grpc_options", "logging_config", "tracing_config", "controller_options")
+# as --host/--port leave them); it refuses the others (helper-81: they were dropped unsaid), and
+# grpc_options (ditserve serves no gRPC; its servicers and tracing's exporter are import paths
+# that only failed once Serve started: helper-82) and tracing_config with them
+APPLIED_SERVE_FIELDS = ("http_options", "logging_config", "controller_options")
 # http_options fields it refuses: HTTPS, where the URL it prints and its checks are plain HTTP's
 UNAPPLIED_HTTP_FIELDS = ("ssl_keyfile", "ssl_certfile", "ssl_keyfile_password", "ssl_ca_certs")
 
@@ -119,7 +121,7 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
         paths = [found for i, app in enumerate(apps if isinstance(apps, list) else ())
                  for found in _import_paths(app.get("deployments") if isinstance(app, dict) else None,
                                             f"applications[{i}].deployments")]
-        if isinstance(exc, ImportError) or any(exc.name and exc.name in value for _, value in paths):
+        if isinstance(exc, ImportError) or any(_names(value, exc) for _, value in paths):
             raise CannotStart(f"{path}: {_import_problem(exc, paths)}") from None
         raise CannotStart(f"{path}: not a Serve config (AttributeError: {_first_line(exc)}); an entry may be null or "
                           "of the wrong type") from None
@@ -145,7 +147,7 @@ def load_serve_configs(path: str | Path) -> tuple[list[dict], list[str]]:
                               "DiTReplica's own (RouterQueuePolicy, on the Router's queue) and Serve says it is not "
                               "yet supported; scale DiTReplica with replica.autoscaling or its deployments entry's "
                               "autoscaling_config")
-    given = schema.model_dump(exclude_unset=True)
+    given = {field: value for field, value in schema.model_dump(exclude_unset=True).items() if value is not None}
     applied = (*APPLIED_SERVE_FIELDS, *(("proxy_location",) if schema.proxy_location != "Disabled" else ()))
     serve_options = {field: value for field, value in given.items() if field in applied}
     not_served = [*(f"http_options.{field}" for field in given.get("http_options", {})
@@ -453,7 +455,7 @@ def checked_app(args: dict, deployments: list[dict] | None = None):
         raise CannotStart(f"bad config: {_first_line(exc)}") from None
     except (ImportError, AttributeError) as exc:  # an import path (an autoscaling_config policy) Serve cannot import
         paths = _import_paths(deployments)
-        if isinstance(exc, AttributeError) and not any(exc.name and exc.name in value for _, value in paths):
+        if isinstance(exc, AttributeError) and not any(_names(value, exc) for _, value in paths):
             raise
         raise CannotStart(f"bad config: {_import_problem(exc, paths)}") from None
     default = AccelerationConfig.model_fields["compile_backend"].default
@@ -574,13 +576,24 @@ def _import_paths(deployments: object, prefix: str = "deployments") -> list[tupl
     return found
 
 
+def _names(import_path: str, exc: ImportError | AttributeError) -> bool:
+    """Whether ``exc`` (no such module, or no such name in one: its ``name``) is about
+    ``import_path`` (``module:attr`` or ``module.attr``): the module or a package above it, or
+    the attribute, one of its dotted parts (helper-82: ``deployments.nope:f`` was missed)."""
+    missing = exc.name or ""
+    module, _, attr = import_path.partition(":")
+    if isinstance(exc, AttributeError):
+        return bool(missing) and missing in re.split(r"[.:]", import_path)
+    return bool(missing) and (module == missing or module.startswith(missing + ".")
+                              or (not attr and import_path.startswith(missing + ".")))
+
+
 def _import_problem(exc: ImportError | AttributeError, paths: list[tuple[str, str]]) -> str:
     """An import path of the config that does not import (no such module, or no such name in
     it: ``exc``), in words naming its field among ``paths`` (:func:`_import_paths`; helper-81: a
     name missing from its module was "not a Serve config ... null or of the wrong type")."""
-    missing = exc.name or ""
     for field, value in paths:
-        if missing and (value == missing or missing in re.split(r"[.:]", value) or value.startswith(missing + ".")):
+        if _names(value, exc):
             return f"{field}: cannot import {value!r} ({_first_line(exc)})"
     what = exc.name if isinstance(exc, ImportError) and exc.name else "a name"
     return (f"cannot import {what} ({_first_line(exc)}), named by an import path in the config "
@@ -696,6 +709,13 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
         stop_app(served or Served(name, route_prefix, host, port, joined, started_serve), deployed=served is not None,
                  drain=False)
         raise
+
+
+def _serve_options_not_applied(serve_options: dict) -> list[str]:
+    """The fields of a config file's ``serve_options`` (:func:`load_serve_configs`) other than
+    ``http_options``' host and port, which a Serve already running keeps its own of."""
+    http = [f"http_options.{field}" for field in serve_options.get("http_options", {}) if field not in ("host", "port")]
+    return [*http, *(field for field in serve_options if field != "http_options")]
 
 
 def deploy_quiet_s() -> float:
@@ -1275,6 +1295,10 @@ def _serve_until_stopped(ns) -> int:
         if (served.host, served.port) != (host, port):
             print(f"note: Serve already runs in that cluster and keeps its HTTP options ({served.host}:{served.port}): "
                   f"{host}:{port} is not used", flush=True)
+        kept = _serve_options_not_applied(config.get("serve_options") or {}) if not served.started_serve else []
+        if kept:  # serve.start keeps a running Serve's options (helper-82: the file's were dropped unsaid)
+            print(f"note: Serve already runs in that cluster and keeps its own options: the file's "
+                  f"{', '.join(kept)} {'is' if len(kept) == 1 else 'are'} not applied", flush=True)
     url = served.url
     print(f"ditserve is serving at {url}  (POST {url}/v1/images/generations, /v1/images/edits or /v1/videos; "
           "Ctrl-C stops)",

@@ -94,6 +94,20 @@ def request_cost(p: SamplingParams) -> float:
     return float(p.width * p.height * p.num_frames * p.n * (1 + references))
 
 
+def cost_fix(p: SamplingParams, max_batch_cost: float) -> tuple[str, str]:
+    """(field, fix in words) for request ``p`` past ``max_batch_cost``: the field that alone can
+    make it fit (helper-79, -82: it was always ``size``): ``n``, else a reference edit's input
+    images (``image``), else ``size`` (a video's frames too)."""
+    per_image = p.width * p.height * p.num_frames
+    fitting_n = int(max_batch_cost // (request_cost(p) / p.n))
+    fitting_images = int(max_batch_cost // (per_image * p.n)) - 1
+    if fitting_n:
+        return "n", f"ask for n at most {fitting_n}"
+    if p.input_mode == InputMode.REFERENCE and fitting_images >= 1:
+        return "image", f"give at most {fitting_images} input images"
+    return "size", "a smaller size" + (" or fewer frames (num_frames, seconds)" if p.num_frames > 1 else "")
+
+
 def _for_request(error: DitServeError, params: SamplingParams) -> DitServeError:
     """A failed batch's ``error`` as request ``params`` is answered with it: one about a LoRA
     adapter (``pipeline.errors.about_adapter``) names the field this request named it in."""
@@ -335,13 +349,10 @@ class Router:
         cost = request_cost(params)
         if self._max_batch_cost is not None and cost > self._max_batch_cost:
             self._reject("exceeds_batch")
-            fitting_n = int(self._max_batch_cost // (cost / params.n))  # n alone can fix it when >= 1 (helper-79)
-            what = "size, num_frames" if params.num_frames > 1 else "size"
-            fix = f"ask for n at most {fitting_n}" if fitting_n else f"a smaller {what}"
+            param, fix = cost_fix(params, self._max_batch_cost)
             raise InvalidRequestError(f"this request is {cost:g} pixels x frames x n (input images included), more than "
                                       f"one batch holds here (batching.max_batch_cost {self._max_batch_cost:g}): "
-                                      f"{fix}", param="n" if fitting_n else "size", code="invalid_value",
-                                      request_id=params.request_id)
+                                      f"{fix}", param=param, code="invalid_value", request_id=params.request_id)
 
     async def refused_adapters(self) -> frozenset[str]:
         """The adapters :meth:`_refused_adapters` names (for the Ingress's ``/v1/models``)."""

@@ -778,7 +778,9 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
     said = _serve_fails("--address", ray_cluster["gcs_address"], "--config", str(tmp_path / "other.yaml"), env=auth)
     assert "Serve refused application 'other': Prefix / is being used by application \"ditserve\"" in said, said
     assert "ServeController" not in said and "other" not in serve.status().applications
-    config = {"applications": [{"name": "cli-joined", "route_prefix": "/joined", "import_path": "deployments.app:build_app",
+    config = {"http_options": {"request_timeout_s": 300},  # the running Serve keeps its own: a note says so
+              "applications": [{"name": "cli-joined", "route_prefix": "/joined",
+                                "import_path": "deployments.app:build_app",
                                 "args": {"replica": {"ray_actor_options": {"num_cpus": 0}, "torch_threads": 1}},
                                 # the file's deployments section applies as with `serve deploy` (it was dropped)
                                 "deployments": [{"name": "Router", "user_config": {"max_batch_size": 3}}]}]}
@@ -790,6 +792,7 @@ def test_serve_joins_the_cluster_given_and_removes_only_its_application(ray_clus
         assert server.url == f"{ray_cluster['url']}/joined", server.lines
         said = "".join(server.lines)
         assert "joined the Ray cluster" in said and f":{unused} is not used" in said, said
+        assert "keeps its own options: the file's http_options.request_timeout_s is not applied" in said, said
         assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 200
         assert serve.status().applications["cli-joined"].status == "RUNNING"
         assert httpx.get(f"{server.url}/v1/stats", timeout=60).json()["router"]["batching"]["max_batch_size"] == 3
@@ -903,6 +906,11 @@ def _tiny_cpu_config(mutate) -> dict:
         "max_replicas": 2, "policy": {"policy_function": "nope.nope:f"}}}]),
      "serve.yaml: applications[0].deployments[0].autoscaling_config.policy.policy_function: cannot import "
      "'nope.nope:f' (No module named 'nope')"),
+    # a module missing from a package (helper-82: the field was not named)
+    (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "request_router_config": {
+        "request_router_class": "deployments.nope:R"}}]),
+     "applications[0].deployments[0].request_router_config.request_router_class: cannot import 'deployments.nope:R' "
+     "(No module named 'deployments.nope')"),
     # a name its module lacks (helper-81: "not a Serve config ... an entry may be null or of the wrong type")
     (lambda c, a: a.update(deployments=[{"name": "DiTReplica", "autoscaling_config": {
         "max_replicas": 2, "policy": {"policy_function": "deployments.autoscaling:NoSuchPolicy"}}}]),
@@ -1128,13 +1136,20 @@ def test_serve_gives_serve_start_the_files_serve_wide_fields_and_refuses_those_i
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster was started"))
     http = {"request_timeout_s": 1.5, "keep_alive_timeout_s": 7}
     given = _tiny_cpu_config(lambda c, app: (c["http_options"].update(http),
-                                             c.update(proxy_location="HeadOnly", grpc_options={"port": 9123})))
+                                             c.update(proxy_location="HeadOnly", target_capacity=None,
+                                                      logging_config={"log_level": "WARNING"})))
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(given))
     options = load_serve_config(path)["serve_options"]
     assert options["http_options"] == {**given["http_options"], **http}, options
-    assert options["proxy_location"] == "HeadOnly" and options["grpc_options"]["port"] == 9123, options
+    assert options["proxy_location"] == "HeadOnly" and options["logging_config"]["log_level"] == "WARNING", options
+    assert "target_capacity" not in options  # null: not given (helper-82: it was refused)
     for mutate, field in ((lambda c, app: c.update(target_capacity=50), "target_capacity"),
+                          # ditserve serves no gRPC; the servicers and the exporter are import paths
+                          # that failed only once Serve started (helper-82)
+                          (lambda c, app: c.update(grpc_options={"port": 9123}), "grpc_options"),
+                          (lambda c, app: c.update(tracing_config={"exporter_import_path": "nope:f"}),
+                           "tracing_config"),
                           (lambda c, app: c.update(proxy_location="Disabled"), "proxy_location"),
                           (lambda c, app: c["http_options"].update(ssl_certfile="/x.pem", ssl_keyfile="/x.key"),
                            "http_options.ssl_keyfile, http_options.ssl_certfile")):

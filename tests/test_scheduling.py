@@ -135,3 +135,27 @@ def test_next_wakeup_is_the_nearest_bound():
     assert next_wakeup_s([q("A", 0.004)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.006)
     assert next_wakeup_s([q("A", 0.1)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.15)  # switch cost
     assert next_wakeup_s([q("A", 0.3)], max_wait_s=0.01, max_affinity_wait_s=0.5) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("fields, limit, said", [
+    ({"n": 3}, 2 * 64 * 48, ("n", "ask for n at most 2")),  # helper-79: n alone past it was told 'size'
+    ({"n": 2, "size": (128, 128)}, 128 * 128, ("n", "ask for n at most 1")),
+    ({}, 64 * 48 - 1, ("size", "a smaller size")),
+    ({"num_frames": 9}, 64 * 48 * 8, ("size", "a smaller size or fewer frames (num_frames, seconds)")),
+    # a reference edit past it by its input images alone names them (helper-82: 'size')
+    ({"input_mode": "reference", "num_input_images": 3}, 64 * 48 * 3, ("image", "give at most 2 input images")),
+    ({"input_mode": "reference", "num_input_images": 3}, 64 * 48, ("size", "a smaller size")),
+])
+def test_a_request_past_max_batch_cost_is_told_the_field_that_alone_makes_it_fit(fields, limit, said):
+    from deployments.router import cost_fix, request_cost
+    from pipeline.modes import InputMode
+    from tests.helpers import flux_params
+
+    import dataclasses
+
+    params = flux_params("p", 1, n=fields.get("n", 1), size=fields.get("size", (64, 48)),
+                         input_mode=InputMode(fields.get("input_mode", "text")),
+                         num_input_images=fields.get("num_input_images", 0))
+    params = dataclasses.replace(params, num_frames=fields.get("num_frames", 1))
+    assert request_cost(params) > limit
+    assert cost_fix(params, limit) == said
