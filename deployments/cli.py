@@ -297,9 +297,9 @@ def load_serve_config(path: str | Path) -> dict:
     ``ditserve serve`` runs. Raises :class:`CannotStart` also for a file of several (only the
     first was run, the others silently left out), and for a field the in-process deploy does not
     apply (an application's ``runtime_env``, ``logging_config``, ...; the file's
-    ``target_capacity``, ``proxy_location: Disabled``, ``http_options``' ``ssl_*``: silently
-    dropped before). The file's other Serve-wide fields are given to ``serve.start``
-    (``serve_options``)."""
+    ``target_capacity``, ``proxy_location: Disabled``, ``http_options``' ``ssl_*``,
+    ``grpc_options``, ``tracing_config``: silently dropped before). The file's other Serve-wide
+    fields are given to ``serve.start`` (``serve_options``)."""
     apps, others = load_serve_configs(path)
     if len(apps) + len(others) > 1:
         names = ", ".join(repr(name) for name in [*(app["name"] for app in apps), *others])
@@ -622,8 +622,9 @@ def start_app(args: dict, *, host: str, port: int, name: str = APP_NAME, route_p
               deployments: list[dict] | None = None, on_wait=None, serve_options: dict | None = None) -> Served:
     """Deploy the app (``bind_app(args, deployments)``: ``deployments``, a config file's
     per-deployment options) as application ``name`` at ``route_prefix``. ``serve_options``: a
-    config file's Serve-wide fields for ``serve.start`` (``http_options``, ``grpc_options``,
-    ``proxy_location``, ...), ``http_options``' host and port replaced by ``host`` and ``port``.
+    config file's Serve-wide fields for ``serve.start`` (``http_options``, ``proxy_location``,
+    ``logging_config``, ``controller_options``), ``http_options``' host and port replaced by
+    ``host`` and ``port``.
 
     ``address`` is ``ray.init``'s: ``"local"`` (default) starts a new local cluster with
     ``num_cpus`` CPUs, whatever else runs on this machine; ``"auto"`` or ``HOST:PORT`` joins that
